@@ -1,0 +1,186 @@
+"""Hardware the planner plans for: the GPU catalog and `--gpus SPEC`.
+
+The catalog is data (`profiles/gpus.yaml`); a spec like `2x8xH100` or `4x24GiB` becomes a
+`Hardware` with the memory NVML would report. The inventory module builds the same object
+from real NVML readings, so the planner never knows where its numbers came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass, field
+
+import yaml
+
+from .errors import InputError
+from .paths import profiles_dir
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GPUKind:
+    """One catalog entry: what a card of this kind is, not how much of it is free."""
+
+    name: str
+    total_bytes: int
+    compute_capability: str | None
+    platform: str = "cuda"  # cuda | rocm | cpu
+    fp8: bool = False
+    fp4: bool = False
+    nvlink: bool = False
+    nvml_names: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def cc(self) -> float | None:
+        """Compute capability as a number (9.0), None for CPU/ROCm targets."""
+        try:
+            return float(self.compute_capability) if self.compute_capability else None
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the plan runs on. Memory figures are per GPU, for the GPU that limits."""
+
+    kind: GPUKind
+    nodes: int
+    gpus_per_node: int
+    total_bytes: int
+    free_bytes: int
+    source: str = "spec"  # spec | nvml | system
+    notes: tuple[str, ...] = field(default=())
+    devices: tuple = field(default=())  # inventory devices, when read through NVML
+
+    @property
+    def count(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.kind.platform == "cpu"
+
+    def describe(self) -> str:
+        layout = f"{self.gpus_per_node}x{self.kind.name}"
+        if self.nodes > 1:
+            layout = f"{self.nodes}x{layout}"
+        if self.is_cpu:
+            layout = "cpu"
+        return f"{layout} ({self.total_bytes / GiB:.2f} GiB each, {self.free_bytes / GiB:.2f} GiB free)"
+
+
+@functools.lru_cache(maxsize=1)
+def catalog() -> dict[str, GPUKind]:
+    """The GPU catalog keyed by upper-cased name and aliases."""
+    path = profiles_dir() / "gpus.yaml"
+    data = yaml.safe_load(path.read_text())
+    kinds: dict[str, GPUKind] = {}
+    for name, row in data["gpus"].items():
+        kind = GPUKind(
+            name=name,
+            total_bytes=int(row["total_mib"]) * MiB,
+            compute_capability=str(row.get("compute_capability") or "") or None,
+            platform=row.get("platform", "cuda"),
+            fp8=bool(row.get("fp8")),
+            fp4=bool(row.get("fp4")),
+            nvlink=bool(row.get("nvlink")),
+            nvml_names=tuple(row.get("nvml_names") or ()),
+            aliases=tuple(row.get("aliases") or ()),
+        )
+        for key in (name, *kind.aliases):
+            kinds[_key(key)] = kind
+    return kinds
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[\s_-]", "", name.upper())
+
+
+def gpu_kind(name: str) -> GPUKind:
+    """Look a GPU up by catalog name or alias, case-insensitively."""
+    kind = catalog().get(_key(name))
+    if kind is None:
+        names = sorted({k.name for k in catalog().values()})
+        raise InputError(f"unknown GPU '{name}'; known: {', '.join(names)}, cpu, or a size like 24GiB")
+    return kind
+
+
+def kind_for_nvml_name(nvml_name: str, total_bytes: int, cc: str | None) -> GPUKind:
+    """The catalog entry NVML's device name matches, or an ad-hoc kind built from the reading."""
+    for kind in catalog().values():
+        if nvml_name in kind.nvml_names:
+            return kind
+    short = nvml_name.replace("NVIDIA ", "").replace("GeForce ", "")
+    return GPUKind(name=short, total_bytes=total_bytes, compute_capability=cc,
+                   fp8=bool(cc and _cc_at_least(cc, 8.9)), nvml_names=(nvml_name,))
+
+
+def _cc_at_least(cc: str, value: float) -> bool:
+    try:
+        return float(cc) >= value
+    except ValueError:
+        return False
+
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(GIB|GB|MIB)$")
+
+
+def sized_kind(text: str) -> GPUKind:
+    """A card known only by its size (`24GiB`): CUDA, no FP8, no NVLink assumed."""
+    m = _SIZE.match(text.upper())
+    if not m:
+        raise InputError(f"bad GPU size '{text}': use e.g. 24GiB, 80GB or 81559MiB")
+    value, unit = float(m.group(1)), m.group(2)
+    scale = {"GIB": GiB, "GB": 10**9, "MIB": MiB}[unit]
+    return GPUKind(name=text, total_bytes=int(value * scale), compute_capability=None)
+
+
+def system_memory() -> tuple[int, int]:
+    """(total, available) bytes of this machine's RAM, from /proc/meminfo."""
+    info: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total, info.get("MemAvailable", total)
+
+
+def cpu_hardware() -> Hardware:
+    """The CPU engine: plans on system memory (vLLM's CPU backend sizes KV from RAM)."""
+    total, free = system_memory()
+    kind = GPUKind(name="cpu", total_bytes=total, compute_capability=None, platform="cpu")
+    return Hardware(kind=kind, nodes=1, gpus_per_node=1, total_bytes=total, free_bytes=free,
+                    source="system")
+
+
+_SPEC = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?(?:(\d+)\s*[xX*]\s*)?([A-Za-z0-9][A-Za-z0-9._-]*)$")
+
+
+def parse_gpus(spec: str) -> Hardware:
+    """`8xH200`, `2x8xH100` (nodes x GPUs per node), `1xRTX4090`, `4x24GiB`, `H100`, `cpu`."""
+    text = spec.strip()
+    if text.lower() == "cpu":
+        return cpu_hardware()
+    m = _SPEC.match(text)
+    if not m:
+        raise InputError(f"malformed --gpus '{spec}': use COUNTxNAME (8xH200), "
+                         "NODESxCOUNTxNAME (2x8xH100), COUNTxSIZE (4x24GiB) or cpu")
+    first, second, name = m.group(1), m.group(2), m.group(3)
+    if second is not None:
+        nodes, per_node = int(first), int(second)
+    else:
+        nodes, per_node = 1, int(first) if first else 1
+    if nodes < 1 or per_node < 1:
+        raise InputError(f"malformed --gpus '{spec}': counts must be at least 1")
+    kind = sized_kind(name) if _SIZE.match(name.upper()) else gpu_kind(name)
+    return Hardware(kind=kind, nodes=nodes, gpus_per_node=per_node,
+                    total_bytes=kind.total_bytes, free_bytes=kind.total_bytes, source="spec")

@@ -34,6 +34,177 @@ def cli() -> None:
     """Plan, start and watch vLLM deployments that fit the first time."""
 
 
+@cli.command("exporter")
+@click.option("--vllm-url", required=True, help="vLLM server to scrape, e.g. http://host:8000.")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False),
+              help="Plan JSON (vlaunch plan --json) for the planned-vs-actual series.")
+@click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True)
+@click.option("--bind", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+              help="Seconds allowed for each fetch of vLLM's /metrics.")
+@click.option("--cache-ttl", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+              help="Seconds a fetch of vLLM's /metrics is reused across scrapes.")
+def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
+                 cache_ttl: float) -> None:
+    """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
+    from . import exporter
+
+    plan = exporter.load_plan(plan_path) if plan_path else None
+    exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl)
+    exporter.run_forever(exp, port, bind, click.echo)
+
+
+@cli.command("gpus")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="A table for people, or JSON for scripts.")
+def gpus_cmd(fmt: str) -> None:
+    """List the GPUs this process may use, as NVML reads them now."""
+    import json
+    import os
+
+    from . import inventory
+
+    inv = inventory.read_inventory()
+    if fmt == "json":
+        click.echo(json.dumps(inv.to_dict(), indent=2))
+    else:
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        click.echo(inventory.render_table(inv, color=color))
+
+
+def _hardware(gpus: str | None):
+    """--gpus when given; otherwise what NVML sees on this machine."""
+    from .hardware import parse_gpus
+
+    if gpus:
+        return parse_gpus(gpus)
+    from .inventory import detect_hardware
+
+    return detect_hardware()
+
+
+def _pins(**kw) -> Pins:  # noqa: F821 - imported lazily to keep `--help` fast
+    from .planner import Pins
+
+    return Pins(**kw)
+
+
+_FORMATS = ["text", "json", "yaml", "args"]
+
+
+def plan_options(f):
+    """Flags shared by `plan` and `serve`: each one pins a decision, the planner makes the rest."""
+    opts = [
+        click.option("--gpus", help="Hardware: 8xH200, 2x8xH100, 4x24GiB, cpu. Default: NVML."),
+        click.option("--tp", type=int, help="Pin tensor-parallel size."),
+        click.option("--pp", type=int, help="Pin pipeline-parallel size."),
+        click.option("--dp", type=int, help="Pin data-parallel size."),
+        click.option("--expert-parallel/--no-expert-parallel", default=None,
+                     help="Pin expert parallelism (MoE)."),
+        click.option("--max-model-len", type=int, help="Pin the context length."),
+        click.option("--kv-cache-dtype", help="Pin the KV dtype: auto, bfloat16, fp8, ..."),
+        click.option("--gpu-memory-utilization", type=float, help="Pin vLLM's memory fraction."),
+        click.option("--max-num-seqs", type=int, help="Pin max concurrent sequences per engine."),
+        click.option("--max-num-batched-tokens", type=int, help="Pin the prefill token budget."),
+        click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (more KV, slower)."),
+        click.option("--kv-cache-memory-bytes", type=int,
+                     help="Pin the KV cache size per GPU (vLLM then skips its profiling)."),
+        click.option("--vllm-version", help="Plan for this vLLM version (default: installed)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def build_plan(model: str, gpus: str | None, **pins):
+    from .model import load_model
+    from .planner import make_plan
+
+    spec = load_model(model)
+    return make_plan(spec, _hardware(gpus), _pins(**pins))
+
+
+def format_plan(d: dict, fmt: str) -> str:
+    import json
+
+    from .render import plan_text
+
+    if fmt == "json":
+        return json.dumps(d, indent=2)
+    if fmt == "yaml":
+        import yaml
+
+        return yaml.safe_dump(d, sort_keys=False)
+    if fmt == "args":
+        return "\n".join(d["vllm_args"])
+    return plan_text(d)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    import os
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".vlaunch.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    os.replace(tmp, path)
+
+
+@cli.command("plan")
+@click.argument("model")
+@plan_options
+@click.option("--format", "fmt", type=click.Choice(_FORMATS), default="text", show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")
+@click.option("--emit", "emit_dir", type=click.Path(file_okay=False),
+              help="Write plan.json, vllm-args and vllm.env into DIR (init-container mode).")
+def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
+             emit_dir: str | None, **pins) -> None:
+    """Plan MODEL (a profile, an HF repo id of one, or a local model dir / config.json).
+
+    Exit 0 when it fits, 3 when it does not, 2 for bad input.
+    """
+    plan = build_plan(model, gpus, **pins)
+    d = plan.to_dict()
+    text = format_plan(d, fmt)
+    if output:
+        _write_atomic(output, text)
+    else:
+        click.echo(text)
+    if emit_dir:
+        from .emit import emit_plan, write_termination_message
+
+        if not d["fits"]:
+            write_termination_message(format_plan(d, "text"))
+        else:
+            emit_plan(d, emit_dir)
+    if not d["fits"]:
+        sys.exit(3)
+
+
+@cli.command("profiles")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+def profiles_cmd(fmt: str) -> None:
+    """Built-in models: size, context, attention type."""
+    import json
+
+    from .budget import GiB, param_count, weights_bytes
+    from .model import list_profiles
+
+    rows = [{"name": p.name, "hf_id": p.hf_id, "architecture": p.architecture,
+             "params_b": round(param_count(p) / 1e9, 2),
+             "weights_gib": round(weights_bytes(p) / GiB, 1), "context": p.max_context,
+             "attention": p.attention, "quantization": p.quant.method}
+            for p in list_profiles()]
+    if fmt == "json":
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
+    for r in rows:
+        click.echo(f"{r['name']:24} {r['params_b']:>8.1f}B {r['weights_gib']:>6.1f} GiB "
+                   f"{r['context']:>8,}  {r['attention']:9}  {r['quantization']}")
+
+
 def main() -> None:
     try:
         cli(prog_name="vlaunch")

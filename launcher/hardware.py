@@ -71,7 +71,8 @@ class Hardware:
             layout = f"{self.nodes}x{layout}"
         if self.is_cpu:
             layout = "cpu"
-        return f"{layout} ({self.total_bytes / GiB:.2f} GiB each, {self.free_bytes / GiB:.2f} GiB free)"
+        total, free = self.total_bytes / GiB, self.free_bytes / GiB
+        return f"{layout} ({total:.2f} GiB each, {free:.2f} GiB free)"
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +107,8 @@ def gpu_kind(name: str) -> GPUKind:
     kind = catalog().get(_key(name))
     if kind is None:
         names = sorted({k.name for k in catalog().values()})
-        raise InputError(f"unknown GPU '{name}'; known: {', '.join(names)}, cpu, or a size like 24GiB")
+        raise InputError(f"unknown GPU '{name}'; known: {', '.join(names)}, cpu, "
+                         "or a size like 24GiB")
     return kind
 
 

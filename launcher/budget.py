@@ -1,0 +1,286 @@
+"""The budget model: bytes from shapes, the way vLLM counts them. Pure functions, no I/O.
+
+vLLM (V1 engine) gives each GPU a request of ``ceil(total x gpu_memory_utilization)`` bytes and
+hands the KV cache whatever is left after the weights, the activation peak of its profiling run,
+non-torch memory (NCCL, custom all-reduce, attention workspaces) and, since v0.21.0, its CUDA-graph
+estimate (gpu_worker.determine_available_memory). The cache is cut into pages of ``block_size``
+tokens; every rank is set to the smallest block count (kv_cache_utils.get_kv_cache_configs).
+
+Shapes give exact answers for weights and KV bytes per token. Activations, CUDA graphs and
+non-torch memory are estimates; each constant below names its source and applies to every model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .arch import Tensor
+from .model import DTYPE_BYTES, ModelSpec, Quant
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+VOCAB_PADDING = 64
+"""vLLM pads vocab-parallel embeddings to a multiple of 64 (DEFAULT_VOCAB_PADDING_SIZE)."""
+
+SAMPLER_LOGIT_COPIES = 9.65
+"""Peak bytes of the sampler's profiling run, in units of one fp32 logits tensor
+(max_num_seqs x vocab x 4 B): logits, probabilities, sort values and int64 indices for
+top-k/top-p. Measured on vLLM V1 start-ups of Llama-3.1-8B, Qwen3-0.6B, Qwen3-32B and
+gpt-oss-20b/120b on H100 (shared/validation rows LD01-LD10: 9.59-9.73 for three vocabularies)."""
+
+ACT_HIDDEN_COPIES = 10
+"""Live hidden-size activations per token during the profiling forward pass (residual,
+norm output, attention input/output, MoE input and combine buffers), in units of
+hidden_size x activation bytes. Chosen between the V0 DeepSeek TP8 rows (DS11: ~8, DS17: ~14)
+and Llama-3-8B (LL02: ~13 with the MLP term below)."""
+
+ACT_MLP_COPIES = 2
+"""Live MLP-width activations per token: the gate/up output and the activated product
+(2 x 2 x intermediate per rank); for MoE, fused-MoE's intermediate cache over top-k experts."""
+
+NON_TORCH_SINGLE = int(0.13 * GiB)
+"""Non-torch memory on one GPU (CUDA/cuBLAS workspaces): 0.13-0.14 GiB in V1 start-ups on
+H100 (rows LD01-LD10)."""
+
+NON_TORCH_TP_BASE = int(1.5 * GiB)
+NON_TORCH_TP_PER_RANK = int(0.2 * GiB)
+"""With tensor parallelism vLLM adds NCCL communicators and custom all-reduce buffers. V0 TP8
+logs show 4.66-7.16 GiB including graph-capture pools (DS17); V1 keeps graphs out of it.
+Modelled as 1.5 GiB + 0.2 GiB per TP rank (3.1 GiB at TP8); calibrate against real logs."""
+
+NON_TORCH_PER_EXTRA_NODE = int(0.5 * GiB)
+"""Inter-node NCCL (IB/socket) buffers per extra node in the group."""
+
+CUDAGRAPH_PER_CAPTURE = 6 * MiB
+"""CUDA-graph pool growth per captured batch size (vLLM's estimate extrapolates linearly:
+per-graph cost x number of sizes; 51 sizes by default for max capture 512)."""
+
+DEFAULT_CAPTURE_SIZES = 51
+"""[1, 2, 4] + range(8, 256, 8) + range(256, 513, 16): 51 sizes for a max capture size of 512."""
+
+CPU_NON_KV_MARGIN = int(1.0 * GiB)
+"""On the CPU engine: memory left for the process itself besides weights (Python, torch, the
+API server); vLLM's CPU worker measures its RSS instead of profiling activations."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is spread: tensor, pipeline and data parallel sizes."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    expert_parallel: bool = False
+    nodes: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def is_quantized(t: Tensor, quant: Quant) -> bool:
+    """Whether the checkpoint's format stores this tensor quantized."""
+    if not t.quant or quant.method == "none":
+        return False
+    if quant.only_experts and t.part != "experts":
+        return False
+    return not any(frag and frag.split(".")[-1] in t.name for frag in quant.skip
+                   if frag.split(".")[-1] not in ("*", ""))
+
+
+def tensor_bytes(t: Tensor, quant: Quant, dtype_bytes: int) -> float:
+    """Stored bytes of a tensor group, including quantization scales and zero points."""
+    n = t.elements
+    if not is_quantized(t, quant):
+        return n * (DTYPE_BYTES[t.dtype] if t.dtype else dtype_bytes)
+    if quant.method == "fp8_block":
+        b0, b1 = quant.block
+        return n + math.ceil(t.rows / b0) * math.ceil(t.cols / b1) * 4 * t.count
+    if quant.method == "fp8_channel":
+        return n + t.rows * 4 * t.count
+    if quant.method == "int4_group":
+        groups = math.ceil(t.cols / quant.group_size) * t.rows * t.count
+        return n * quant.bits / 8 + groups * 2 + groups * quant.bits / 8  # scales fp16 + zeros
+    if quant.method == "mxfp4":
+        return n / 2 + n / 32  # two values per byte, one e8m0 scale per 32
+    raise ValueError(f"unknown quantization method {quant.method}")
+
+
+def scale_elements(t: Tensor, quant: Quant) -> int:
+    """Elements of the scale tensors a block-FP8 checkpoint stores next to a weight."""
+    if quant.method != "fp8_block" or not is_quantized(t, quant):
+        return 0
+    b0, b1 = quant.block
+    return math.ceil(t.rows / b0) * math.ceil(t.cols / b1) * t.count
+
+
+def param_count(spec: ModelSpec) -> int:
+    """Every element the checkpoint stores: MTP layers, vision towers and FP8 scales included."""
+    return sum(t.elements + scale_elements(t, spec.quant) for t in spec.tensors)
+
+
+def weights_bytes(spec: ModelSpec, loaded_only: bool = True) -> int:
+    """Bytes of all weights, all ranks together (what vLLM loads unless loaded_only=False)."""
+    return round(sum(tensor_bytes(t, spec.quant, spec.dtype_bytes) for t in spec.tensors
+                     if t.loaded or not loaded_only))
+
+
+def shard_fraction(t: Tensor, layout: Layout, vocab: int) -> float:
+    """Fraction of a tensor group one rank holds under TP / DP+EP."""
+    tp, ep = layout.tp, layout.tp * layout.dp
+    if t.shard in ("column", "row"):
+        return 1 / tp
+    if t.shard == "kv":
+        return max(1 / tp, 1 / t.heads) if t.heads else 1 / tp
+    if t.shard == "vocab":
+        padded = math.ceil(vocab / VOCAB_PADDING) * VOCAB_PADDING
+        return math.ceil(padded / tp) / vocab
+    if t.shard in ("expert_column", "expert_row"):
+        if layout.expert_parallel:
+            return math.ceil(t.count / ep) / t.count
+        return 1 / ep  # without EP, MoE layers use TP over DP x TP ranks
+    return 1.0
+
+
+def pp_stages(num_layers: int, pp: int) -> list[range]:
+    """Layer ranges per pipeline stage, as vLLM partitions them (extra layers before the last)."""
+    sizes = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        sizes[-i] += 1
+    out, start = [], 0
+    for size in sizes:
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def stage_weight_bytes(spec: ModelSpec, layout: Layout) -> list[int]:
+    """Weight bytes on one rank of each pipeline stage (embedding first, head last)."""
+    stages = pp_stages(spec.num_layers, layout.pp)
+    totals = [0.0] * layout.pp
+    for t in spec.tensors:
+        if not t.loaded:
+            continue
+        size = tensor_bytes(t, spec.quant, spec.dtype_bytes) * shard_fraction(
+            t, layout, spec.vocab_size)
+        if t.layer is None:
+            totals[-1 if t.part == "head" else 0] += size
+        else:
+            idx = next((i for i, r in enumerate(stages) if t.layer in r), layout.pp - 1)
+            totals[idx] += size
+    return [round(x) for x in totals]
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one token costs in one layer's cache, per GPU (vLLM's AttentionSpec page / block)."""
+
+    kind: str  # mla | mla_sparse | gqa
+    bytes_per_layer: int
+
+    def page_bytes(self, block_size: int, layers: int) -> int:
+        """One block of `block_size` tokens over `layers` layers (a uniform group's page)."""
+        return block_size * self.bytes_per_layer * layers
+
+
+def kv_dtype_bytes(kv_dtype: str, model_dtype_bytes: int) -> int:
+    return 1 if kv_dtype.startswith("fp8") else model_dtype_bytes
+
+
+def kv_spec(spec: ModelSpec, kv_dtype: str, tp: int) -> KVSpec:
+    """Per-layer, per-token KV bytes on one GPU.
+
+    MLA caches one latent (kv_lora_rank + qk_rope_head_dim) per token and layer on EVERY TP rank:
+    it has a single KV head, so TP does not split it. DeepSeek-V3.2 stores the latent in
+    vLLM's fp8_ds_mla format (512 fp8 + 4 fp32 scales + 64 bf16 rope = 656 B) plus the indexer's
+    key cache (head_dim fp8 + one fp32 scale per 128 values). GQA caches K and V per KV head,
+    split over TP until TP exceeds the KV heads, which are then replicated.
+    """
+    eb = kv_dtype_bytes(kv_dtype, spec.dtype_bytes)
+    if spec.attention in ("mla", "mla_sparse"):
+        latent = spec.kv_lora_rank + spec.qk_rope_head_dim
+        if spec.attention == "mla_sparse":
+            main = (spec.kv_lora_rank + 4 * (spec.kv_lora_rank // 128) + 2 * spec.qk_rope_head_dim
+                    if eb == 1 else latent * eb)
+            indexer = spec.index_head_dim + spec.index_head_dim // 128 * 4
+            return KVSpec("mla_sparse", main + indexer)
+        return KVSpec("mla", latent * eb)
+    heads = max(1, spec.num_kv_heads // tp)
+    return KVSpec("gqa", 2 * heads * spec.head_dim * eb)
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, layout: Layout) -> int:
+    """What one token costs on the limiting GPU: the pipeline stage with the most layers."""
+    layers = max(len(r) for r in pp_stages(spec.num_layers, layout.pp))
+    return kv_spec(spec, kv_dtype, layout.tp).bytes_per_layer * layers
+
+
+def kv_blocks(available: int, page: int) -> int:
+    """Whole pages that fit (kv_cache_utils: available_memory // page_size_bytes)."""
+    return max(0, available // page) if page else 0
+
+
+# ----------------------------------------------------------------------------- overheads
+
+
+def requested_bytes(total: int, utilization: float) -> int:
+    """vLLM's per-GPU request: a fraction of the card's TOTAL memory, rounded up."""
+    return math.ceil(total * utilization)
+
+
+def _mlp_width_per_rank(spec: ModelSpec, layout: Layout) -> int:
+    dense = 2 * spec.intermediate_size // layout.tp if spec.intermediate_size else 0
+    moe = 0
+    if spec.is_moe:
+        moe = spec.experts_per_token * 2 * spec.moe_intermediate // max(1, layout.tp)
+    return max(dense, moe)
+
+
+def activation_bytes(spec: ModelSpec, layout: Layout, max_num_batched_tokens: int,
+                     max_num_seqs: int) -> int:
+    """Peak of vLLM's profiling run: a forward pass over max_num_batched_tokens, or the sampler
+    over max_num_seqs x vocab logits, whichever is larger (they do not overlap)."""
+    act = spec.dtype_bytes
+    per_token = act * (ACT_HIDDEN_COPIES * spec.hidden_size
+                       + ACT_MLP_COPIES * _mlp_width_per_rank(spec, layout))
+    forward = max_num_batched_tokens * per_token
+    sampler = SAMPLER_LOGIT_COPIES * max_num_seqs * spec.vocab_size * 4
+    return round(max(forward, sampler))
+
+
+def non_torch_bytes(layout: Layout) -> int:
+    """NCCL / custom all-reduce buffers and CUDA workspaces outside torch's allocator."""
+    group = layout.tp * layout.pp
+    if group == 1 and layout.dp == 1:
+        return NON_TORCH_SINGLE
+    extra_nodes = max(0, layout.nodes - 1)
+    return (NON_TORCH_SINGLE + NON_TORCH_TP_BASE + NON_TORCH_TP_PER_RANK * layout.tp
+            + NON_TORCH_PER_EXTRA_NODE * extra_nodes)
+
+
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """How many batch sizes vLLM captures: sizes up to min(2 x max_num_seqs, 512, tokens)."""
+    top = min(2 * max_num_seqs, 512, max_num_batched_tokens)
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+    return sum(1 for s in sizes if s <= top)
+
+
+def cudagraph_bytes(spec: ModelSpec, layout: Layout, max_num_seqs: int,
+                    max_num_batched_tokens: int, enforce_eager: bool) -> int:
+    """vLLM's CUDA-graph memory estimate (subtracted from the KV budget since v0.21.0): a fixed
+    pool cost per captured size plus the largest graph's activations."""
+    if enforce_eager:
+        return 0
+    n = capture_sizes(max_num_seqs, max_num_batched_tokens)
+    top = min(2 * max_num_seqs, 512, max_num_batched_tokens)
+    act = spec.dtype_bytes * top * (ACT_HIDDEN_COPIES * spec.hidden_size
+                                    + ACT_MLP_COPIES * _mlp_width_per_rank(spec, layout))
+    return n * CUDAGRAPH_PER_CAPTURE + act

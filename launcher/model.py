@@ -1,0 +1,236 @@
+"""Models: where a config comes from, and the weights it implies.
+
+A model is read from a built-in profile (`profiles/models/*.yaml`, config.json keys plus a little
+metadata), a local Hugging Face directory, or a path to a config.json. Its weights are described
+as a list of `Tensor` groups, each knowing how vLLM shards it (column/row-parallel, vocab-parallel,
+replicated, per-expert) and whether the checkpoint's quantization covers it. Counting parameters,
+weight bytes and per-rank bytes are then simple sums in `launcher.budget`; nothing here knows
+about GPUs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .arch import ARCHITECTURES, Tensor
+from .errors import InputError
+from .paths import profiles_dir
+
+__all__ = ["ModelSpec", "Quant", "Tensor", "load_model", "list_profiles"]
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How the checkpoint stores its quantized linear weights.
+
+    method: none | fp8_block (DeepSeek 128x128 blocks + fp32 scales) | fp8_channel
+    (compressed-tensors / per-channel fp8) | int4_group (AWQ / GPTQ) | mxfp4 (gpt-oss experts).
+    """
+
+    method: str = "none"
+    bits: int = 16
+    group_size: int = 0
+    block: tuple[int, int] = (0, 0)
+    skip: tuple[str, ...] = ()  # module name fragments the format leaves unquantized
+    only_experts: bool = False  # mxfp4: only the MoE experts are packed
+
+    @property
+    def label(self) -> str:
+        return {"none": "unquantized", "fp8_block": "fp8 (128x128 blocks)",
+                "fp8_channel": "fp8 (per-channel)", "int4_group": f"int4 (group {self.group_size})",
+                "mxfp4": "mxfp4 experts"}.get(self.method, self.method)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the budget model needs it: shapes, dtype, quantization and tensors."""
+
+    name: str
+    hf_id: str
+    architecture: str  # model_type, e.g. deepseek_v3
+    config: dict[str, Any] = field(repr=False)
+    dtype: str
+    quant: Quant
+    tensors: tuple[Tensor, ...] = field(repr=False)
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    attention: str  # mla | mla_sparse | gqa
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    index_head_dim: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    intermediate_size: int = 0
+    checkpoint_bytes: int | None = None  # from model.safetensors.index.json, when given
+    path: str | None = None  # local directory vLLM should load
+    description: str = ""
+    distill_of: str | None = None
+    advertised_context: int | None = None
+    mtp_layers: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES.get(self.dtype, 2)
+
+
+def _dtype_of(cfg: dict[str, Any]) -> str:
+    raw = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    return raw if raw in DTYPE_BYTES else "bfloat16"
+
+
+def _quant_of(cfg: dict[str, Any]) -> Quant:
+    qc = cfg.get("quantization_config") or {}
+    if not qc:
+        return Quant()
+    method = str(qc.get("quant_method", "")).lower()
+    skip = tuple(qc.get("modules_to_not_convert") or qc.get("ignore") or ())
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block:
+            return Quant("fp8_block", 8, 0, (int(block[0]), int(block[1])), skip)
+        return Quant("fp8_channel", 8, 0, (0, 0), skip)
+    if method in ("compressed-tensors", "compressed_tensors"):
+        groups = qc.get("config_groups") or {}
+        weights = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
+        bits = int(weights.get("num_bits", 8))
+        if bits == 8 and weights.get("type", "float") == "float":
+            block = weights.get("block_structure")
+            if block:
+                return Quant("fp8_block", 8, 0, (int(block[0]), int(block[1])), skip)
+            return Quant("fp8_channel", 8, 0, (0, 0), skip)
+        return Quant("int4_group", bits, int(weights.get("group_size") or 128), (0, 0), skip)
+    if method in ("awq", "gptq", "awq_marlin", "gptq_marlin"):
+        return Quant("int4_group", int(qc.get("bits", qc.get("w_bit", 4))),
+                     int(qc.get("group_size", qc.get("q_group_size", 128))), (0, 0), skip)
+    if method == "mxfp4":
+        return Quant("mxfp4", 4, 32, (0, 0), skip, only_experts=True)
+    raise InputError(f"unsupported quantization '{method}' in config.json; supported: fp8 "
+                     "(block or per-channel), compressed-tensors fp8/int4, awq, gptq, mxfp4")
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs keep the language model under text_config."""
+    return cfg.get("text_config") or cfg
+
+
+def max_context(cfg: dict[str, Any]) -> int:
+    """The context vLLM derives: max_position_embeddings (yarn tables include the factor)."""
+    text = _text_config(cfg)
+    value = text.get("max_position_embeddings") or cfg.get("max_position_embeddings")
+    if not value:
+        rope = text.get("rope_scaling") or {}
+        orig = rope.get("original_max_position_embeddings")
+        value = int(orig * rope.get("factor", 1)) if orig else 4096
+    return int(value)
+
+
+def spec_from_config(cfg: dict[str, Any], name: str, **meta: Any) -> ModelSpec:
+    """Build a ModelSpec from config.json contents (profiles hold the same keys)."""
+    model_type = str(cfg.get("model_type") or "")
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise InputError(f"cannot count parameters of architecture '{model_type or '?'}' "
+                         f"({name}); supported model_type values: {known}")
+    try:
+        shapes = arch(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"config.json of {name} is incomplete for {model_type}: "
+                         f"missing or bad {e}") from None
+    return ModelSpec(name=name, hf_id=meta.pop("hf_id", name), architecture=model_type,
+                     config=cfg, dtype=_dtype_of(_text_config(cfg) | cfg), quant=_quant_of(cfg),
+                     max_context=max_context(cfg), **shapes, **meta)
+
+
+@functools.lru_cache(maxsize=1)
+def _profiles() -> dict[str, Path]:
+    """Profile name and HF repo id (lower-cased) -> YAML path."""
+    index: dict[str, Path] = {}
+    for path in sorted((profiles_dir() / "models").glob("*.yaml")):
+        head = yaml.safe_load(path.read_text())
+        index[path.stem.lower()] = path
+        if head.get("hf_id"):
+            index[str(head["hf_id"]).lower()] = path
+    return index
+
+
+def list_profiles() -> list[ModelSpec]:
+    """Every built-in profile, in file order."""
+    paths = sorted(set(_profiles().values()))
+    return [_load_profile(p) for p in paths]
+
+
+def _load_profile(path: Path) -> ModelSpec:
+    data = yaml.safe_load(path.read_text())
+    cfg = data["config"]
+    return spec_from_config(cfg, name=path.stem, hf_id=data.get("hf_id", path.stem),
+                            description=data.get("description", ""),
+                            distill_of=data.get("distill_of"),
+                            advertised_context=data.get("advertised_context"),
+                            checkpoint_bytes=data.get("checkpoint_bytes"))
+
+
+def _load_dir(path: Path) -> ModelSpec:
+    cfg_path = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"no config.json at {cfg_path}; give a model directory, a config.json "
+                         "or a profile name (see `vlaunch profiles`)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read {cfg_path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"{cfg_path} is not a JSON object")
+    folder = cfg_path.parent
+    index = folder / "model.safetensors.index.json"
+    total = None
+    if index.is_file():
+        try:
+            total = int(json.loads(index.read_text())["metadata"]["total_size"])
+        except (KeyError, ValueError, json.JSONDecodeError):
+            total = None
+    elif (folder / "model.safetensors").is_file():
+        total = _safetensors_payload(folder / "model.safetensors")
+    return spec_from_config(cfg, name=folder.name, hf_id=str(folder.resolve()),
+                            checkpoint_bytes=total, path=str(folder.resolve()))
+
+
+def _safetensors_payload(path: Path) -> int | None:
+    """Tensor bytes of a single-file checkpoint: file size minus its JSON header."""
+    try:
+        with path.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+        return path.stat().st_size - 8 - header
+    except OSError:
+        return None
+
+
+def load_model(ref: str) -> ModelSpec:
+    """A profile name, an HF repo id of a profile, a model directory or a config.json path."""
+    p = Path(ref).expanduser()
+    if p.exists():
+        return _load_dir(p)
+    hit = _profiles().get(ref.lower())
+    if hit is not None:
+        return _load_profile(hit)
+    names = ", ".join(sorted(k for k in _profiles() if "/" not in k))
+    raise InputError(f"unknown model '{ref}': not a local path and not a profile; "
+                     f"profiles: {names}")

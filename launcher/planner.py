@@ -1,0 +1,492 @@
+"""The planner: search layouts and settings, decide, and explain every decision.
+
+Inputs: a `ModelSpec`, a `Hardware` and the user's pinned flags. For each parallel layout that
+the model's heads allow (TP inside a node, PP across nodes, DP+EP for MoE) it runs the budget
+model at the chosen KV dtype, utilization and batch sizes, then picks by the objective: the
+target context first (the model's full context unless pinned), then the most concurrent
+sequences at that context. Every choice carries its reason; losing layouts say why they lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import budget as B
+from .capabilities import (
+    VersionTraits,
+    batch_defaults,
+    block_size,
+    default_vllm_version,
+    fp8_kv_support,
+    version_traits,
+)
+from .errors import InputError
+from .hardware import GiB, Hardware, MiB
+from .model import ModelSpec, Quant
+
+CUDA_CONTEXT_BYTES = 600 * MiB
+"""Memory the vLLM process itself takes (CUDA context, NCCL init) before it checks that free
+memory covers its request (gpu_worker's start-up check measures after initialisation)."""
+
+MIN_CONTEXT = 4096
+"""The shortest context vlaunch calls serviceable when the user pins none (chat + tools)."""
+
+CPU_MEMORY_FRACTION = 0.5
+"""Share of free RAM the CPU engine may use for weights and KV (vLLM's former CPU default)."""
+
+KV_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class Pins:
+    """What the user fixed on the command line; the planner decides the rest."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    expert_parallel: bool | None = None
+    max_model_len: int | None = None
+    kv_cache_dtype: str | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = None
+    vllm_version: str | None = None
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "dp", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                 f"got {value}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InputError(f"--max-model-len must be a positive number of tokens, "
+                             f"got {self.max_model_len}")
+        u = self.gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise InputError(f"--gpu-memory-utilization must be in (0, 1], got {u}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_DTYPES:
+            raise InputError(f"unknown --kv-cache-dtype '{self.kv_cache_dtype}'; accepted: "
+                             f"{', '.join(KV_DTYPES)}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise InputError("--kv-cache-memory-bytes must be positive")
+
+
+@dataclass
+class Candidate:
+    """One layout evaluated by the budget model, per GPU on the limiting rank."""
+
+    layout: B.Layout
+    kv_dtype: str
+    block_size: int
+    utilization: float
+    requested: int
+    weights: int
+    activation: int
+    cudagraph: int
+    non_torch: int
+    kv_memory: int
+    kv_bytes_per_token: int
+    blocks: int
+    tokens: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    fits: bool
+    problem: str = ""
+
+    @property
+    def concurrency(self) -> float:
+        """Full-length requests the whole deployment holds (DP engines have their own caches)."""
+        return self.layout.dp * self.tokens / self.max_model_len if self.max_model_len else 0.0
+
+    def label(self) -> str:
+        L = self.layout
+        parts = [f"TP{L.tp}"]
+        if L.pp > 1:
+            parts.append(f"PP{L.pp}")
+        if L.dp > 1:
+            parts.append(f"DP{L.dp}")
+        text = "x".join(parts)
+        return text + ("+EP" if L.expert_parallel else "")
+
+    def summary(self) -> str:
+        if not self.fits:
+            return f"{self.label()}: {self.problem}"
+        return (f"{self.label()}: {self.tokens:,} KV tokens per engine, "
+                f"{self.concurrency:.1f} concurrent at {self.max_model_len:,} tokens")
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    hardware: Hardware
+    chosen: Candidate
+    vllm_version: str
+    chunked_prefill: bool
+    kv_pinned: bool
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+    alternatives: list[Candidate] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.chosen.fits
+
+    @property
+    def distributed_executor_backend(self) -> str:
+        return "mp"
+
+    def vllm_args(self) -> list[str]:
+        c, L = self.chosen, self.chosen.layout
+        args = ["--model", self.model.path or self.model.hf_id]
+        if self.model.path:
+            args += ["--served-model-name", self.model.name]
+        args += ["--tensor-parallel-size", str(L.tp)]
+        if L.pp > 1:
+            args += ["--pipeline-parallel-size", str(L.pp)]
+        if L.dp > 1:
+            args += ["--data-parallel-size", str(L.dp)]
+            if L.nodes > 1:
+                args += ["--data-parallel-size-local", str(self.hardware.gpus_per_node // L.tp)]
+        if L.expert_parallel:
+            args.append("--enable-expert-parallel")
+        args += ["--max-model-len", str(c.max_model_len), "--kv-cache-dtype", c.kv_dtype]
+        if self.kv_pinned:
+            args += ["--kv-cache-memory-bytes", str(c.kv_memory)]
+        else:
+            args += ["--gpu-memory-utilization", f"{c.utilization:.2f}"]
+        args += ["--max-num-seqs", str(c.max_num_seqs),
+                 "--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+        if self.chunked_prefill:
+            args.append("--enable-chunked-prefill")
+        if self.hardware.is_cpu:
+            args += ["--block-size", str(c.block_size)]
+        return args
+
+    def env(self) -> dict[str, str]:
+        # Big checkpoints load for many minutes; vLLM's engine-ready wait defaults to 600 s.
+        load_s = max(600, int(B.weights_bytes(self.model) / (200 * MiB)))
+        env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(load_s)}
+        if self.hardware.is_cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = ""  # would override --kv-cache-memory-bytes
+        return env
+
+    def to_dict(self) -> dict[str, Any]:
+        c, L, hw, m = self.chosen, self.chosen.layout, self.hardware, self.model
+        return {
+            "fits": self.fits,
+            "model": {"name": m.name, "hf_id": m.hf_id, "architecture": m.architecture,
+                      "params": B.param_count(m), "weights_bytes": B.weights_bytes(m),
+                      "quantization": m.quant.method, "path": m.path,
+                      "max_context": m.max_context, "attention": m.attention},
+            "gpus": {"name": hw.kind.name, "count": hw.count, "nodes": hw.nodes,
+                     "gpus_per_node": hw.gpus_per_node, "total_bytes": hw.total_bytes,
+                     "free_bytes": hw.free_bytes, "source": hw.source,
+                     "compute_capability": hw.kind.compute_capability,
+                     "platform": hw.kind.platform},
+            "parallel": {"tp": L.tp, "pp": L.pp, "dp": L.dp,
+                         "expert_parallel": L.expert_parallel, "nodes": L.nodes,
+                         "distributed_executor_backend": self.distributed_executor_backend},
+            "gpu_memory_utilization": round(c.utilization, 4),
+            "max_model_len": c.max_model_len,
+            "max_num_seqs": c.max_num_seqs,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "enable_chunked_prefill": self.chunked_prefill,
+            "enforce_eager": c.cudagraph == 0 and not hw.is_cpu,
+            "kv_cache": {"dtype": c.kv_dtype, "bytes_per_token": c.kv_bytes_per_token,
+                         "block_size": c.block_size, "memory_bytes": c.kv_memory,
+                         "tokens": c.tokens, "blocks": c.blocks, "pinned": self.kv_pinned},
+            "per_gpu": {"requested_bytes": c.requested, "weights_bytes": c.weights,
+                        "activation_bytes": c.activation, "cudagraph_bytes": c.cudagraph,
+                        "non_torch_bytes": c.non_torch, "kv_cache_bytes": c.kv_memory},
+            "max_concurrency": round(c.concurrency, 2),
+            "vllm_version": self.vllm_version,
+            "vllm_args": self.vllm_args(),
+            "env": self.env(),
+            "reasons": self.reasons,
+            "warnings": self.warnings,
+            "suggestions": self.suggestions,
+            "alternatives": [a.summary() for a in self.alternatives],
+        }
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_allowed(spec: ModelSpec, tp: int) -> str | None:
+    """None when vLLM can shard this model over `tp` ranks, else why not."""
+    if spec.num_heads % tp:
+        return f"TP {tp} does not divide the {spec.num_heads} attention heads"
+    kv = spec.num_kv_heads
+    if spec.attention == "gqa" and kv % tp and tp % kv:
+        return f"TP {tp} and the {kv} KV heads do not divide one another"
+    return None
+
+
+def layouts(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[B.Layout]:
+    """Layouts over all GPUs: TP within a node, PP across nodes, DP (+EP for MoE)."""
+    if hw.is_cpu:
+        return [B.Layout()]
+    total, per_node = hw.count, hw.gpus_per_node
+    out = []
+    for tp in _divisors(per_node):
+        if pins.tp and tp != pins.tp or tp_allowed(spec, tp):
+            continue
+        for dp in _divisors(total // tp):
+            pp = total // (tp * dp)
+            if pins.pp and pp != pins.pp or pins.dp and dp != pins.dp:
+                continue
+            # PP spans nodes: one stage per node, each a whole node of TP ranks.
+            if pp > 1 and (dp > 1 or tp != per_node or pp != hw.nodes or pp > spec.num_layers):
+                continue
+            ep = spec.is_moe and tp * dp > 1
+            if pins.expert_parallel is not None:
+                ep = pins.expert_parallel and spec.is_moe
+            out.append(B.Layout(tp=tp, pp=pp, dp=dp, expert_parallel=ep, nodes=hw.nodes))
+    if pins.tp and not out:
+        why = tp_allowed(spec, pins.tp) or (f"TP {pins.tp} does not fit {per_node} GPUs per node "
+                                            "with the pinned PP/DP")
+        raise InputError(f"--tp {pins.tp} is not possible for {spec.name}: {why}")
+    return out
+
+
+def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
+                 warnings: list[str], reasons: list[str]) -> float:
+    if hw.is_cpu:
+        return CPU_MEMORY_FRACTION
+    ceiling = math.floor(max(0, hw.free_bytes - CUDA_CONTEXT_BYTES) / hw.total_bytes * 100) / 100
+    if pins.gpu_memory_utilization is not None:
+        u = pins.gpu_memory_utilization
+        reasons.append(f"gpu-memory-utilization {u:.2f}: pinned by you")
+        if hw.source == "nvml" and u > ceiling:
+            warnings.append(f"only {hw.free_bytes / GiB:.1f} GiB of {hw.total_bytes / GiB:.1f} GiB "
+                            f"is free: vLLM's start-up check needs free >= {u:.2f} x total; "
+                            f"{ceiling:.2f} would pass")
+        return u
+    u = traits.default_gpu_memory_utilization
+    if hw.source == "nvml" and ceiling < u:
+        reasons.append(f"gpu-memory-utilization {ceiling:.2f}: lowered from vLLM's default {u:.2f} "
+                       f"because only {hw.free_bytes / GiB:.1f} GiB of "
+                       f"{hw.total_bytes / GiB:.1f} GiB is free (vLLM refuses to start when "
+                       "free < utilization x total)")
+        warnings.extend(n for n in hw.notes if n not in warnings)
+        return max(0.01, ceiling)
+    reasons.append(f"gpu-memory-utilization {u:.2f}: vLLM {traits.version}'s default, and the "
+                   "free memory allows it")
+    return u
+
+
+def _kv_dtype(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
+              reasons: list[str], warnings: list[str]) -> str:
+    supported, why = fp8_kv_support(hw, spec.attention, version)
+    if pins.kv_cache_dtype:
+        reasons.append(f"kv-cache-dtype {pins.kv_cache_dtype}: pinned by you")
+        if pins.kv_cache_dtype.startswith("fp8") and not supported:
+            warnings.append(f"fp8 KV is not supported here: {why}")
+        return pins.kv_cache_dtype
+    if supported:
+        reasons.append(f"kv-cache-dtype fp8: halves KV bytes per token; {why}")
+        return "fp8"
+    reasons.append(f"kv-cache-dtype auto ({spec.dtype}): fp8 not chosen because {why}")
+    return "auto"
+
+
+def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, util: float,
+             traits: VersionTraits, pins: Pins, chunked: bool) -> Candidate:
+    """Run the budget model for one layout; the result says whether and how well it fits."""
+    block, _ = block_size(hw, spec.attention, kv_dtype)
+    world = layout.tp * layout.pp
+    d_tokens, d_seqs = batch_defaults(hw, world)
+    seqs = pins.max_num_seqs or d_seqs
+    stages = B.pp_stages(spec.num_layers, layout.pp)
+    kvs = B.kv_spec(spec, kv_dtype, layout.tp)
+    if traits.mla_cache_align and spec.attention == "mla":
+        latent = spec.kv_lora_rank + spec.qk_rope_head_dim
+        align = traits.mla_cache_align
+        eb = B.kv_dtype_bytes(kv_dtype, spec.dtype_bytes)
+        kvs = B.KVSpec("mla", math.ceil(latent / align) * align * eb)
+    per_token = kvs.bytes_per_layer * max(len(r) for r in stages)
+    weights = B.stage_weight_bytes(spec, layout)
+    full = spec.max_context
+    target = pins.max_model_len or full
+
+    tokens_cap = pins.max_num_batched_tokens or min(d_tokens, seqs * target)
+    profile_tokens = tokens_cap if chunked else max(tokens_cap, target)
+    activation = B.activation_bytes(spec, layout, profile_tokens, seqs)
+    eager = pins.enforce_eager or hw.is_cpu
+    cudagraph = (B.cudagraph_bytes(spec, layout, seqs, tokens_cap, eager)
+                 if traits.cudagraph_in_kv_budget else 0)
+    non_torch = 0 if hw.is_cpu else B.non_torch_bytes(layout)
+
+    pinned = pins.kv_cache_memory_bytes
+    if hw.is_cpu:
+        requested = B.requested_bytes(hw.free_bytes, util)
+        budget = requested - max(weights) - B.CPU_NON_KV_MARGIN
+        page = kvs.page_bytes(block, max(len(r) for r in stages))
+        want = math.ceil(seqs * target / block) * page  # never more than the batch can use
+        avail = [pinned if pinned else min(budget, want)]
+        activation = cudagraph = 0
+    else:
+        requested = B.requested_bytes(hw.total_bytes, util)
+        overhead = activation + cudagraph + non_torch
+        avail = [pinned if pinned else requested - w - overhead for w in weights]
+    if len(avail) == 1 and len(stages) > 1:
+        avail = avail * len(stages)
+    blocks = min(B.kv_blocks(a, kvs.page_bytes(block, len(r)))
+                 for a, r in zip(avail, stages, strict=True))
+    kv_memory = blocks * kvs.page_bytes(block, max(len(r) for r in stages))
+    tokens = blocks * block
+    length = pins.max_model_len or min(full, tokens)
+    problem = ""
+    if min(avail) <= 0:
+        short = -min(avail)
+        problem = (f"weights {max(weights) / GiB:.1f} GiB + overhead "
+                   f"{(activation + cudagraph + non_torch) / GiB:.1f} GiB exceed the "
+                   f"{requested / GiB:.1f} GiB vLLM may use per GPU by {short / GiB:.1f} GiB")
+    elif tokens < length:
+        problem = (f"KV cache holds {tokens:,} tokens, less than one {length:,}-token request")
+    elif not pins.max_model_len and length < min(MIN_CONTEXT, full):
+        problem = f"only {tokens:,} tokens of KV cache: below the {MIN_CONTEXT:,}-token minimum"
+    seqs_final = pins.max_num_seqs or seqs
+    return Candidate(layout, kv_dtype, block, util, requested, max(weights), activation,
+                     cudagraph, non_torch, kv_memory, per_token, blocks, tokens, length,
+                     seqs_final, tokens_cap, not problem, problem)
+
+
+def _rank(c: Candidate) -> tuple:
+    """Objective: fits; then context; then concurrent sequences; then fewer stages and nodes."""
+    return (c.fits, c.max_model_len if c.fits else -c.weights, round(c.concurrency, 1),
+            -c.layout.pp, -c.layout.dp, c.layout.tp)
+
+
+def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
+              suggest: bool = True) -> Plan:
+    """Plan a deployment of `spec` on `hw` honouring `pins`; never raises for a misfit."""
+    pins = pins or Pins()
+    pins.validate()
+    version = pins.vllm_version or default_vllm_version()
+    traits = version_traits(version)
+    reasons: list[str] = []
+    warnings: list[str] = list(n for n in hw.notes if "mixed" in n.lower())
+    if pins.max_model_len and pins.max_model_len > spec.max_context:
+        raise InputError(f"--max-model-len {pins.max_model_len:,} exceeds {spec.name}'s context "
+                         f"of {spec.max_context:,} tokens (vLLM refuses it without "
+                         "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
+    util = _utilization(hw, pins, traits, warnings, reasons)
+    kv_dtype = _kv_dtype(spec, hw, pins, version, reasons, warnings)
+    chunked = not (hw.is_cpu and spec.attention.startswith("mla")) and traits.engine == "v1"
+    cands = [evaluate(spec, hw, L, kv_dtype, util, traits, pins, chunked)
+             for L in layouts(spec, hw, pins)]
+    if not cands:
+        raise InputError(f"no parallel layout of {spec.name} matches {hw.describe()} with the "
+                         "pinned --tp/--pp/--dp")
+    cands.sort(key=_rank, reverse=True)
+    best = cands[0]
+    plan = Plan(spec, hw, best, version, chunked, hw.is_cpu or bool(pins.kv_cache_memory_bytes),
+                reasons, warnings, alternatives=cands[1:6])
+    _explain(plan, cands, pins)
+    if suggest and not best.fits:
+        plan.suggestions = suggestions(spec, hw, pins)
+    return plan
+
+
+def _explain(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
+    c, spec = plan.chosen, plan.model
+    r = plan.reasons
+    if c.fits:
+        r.insert(0, f"layout {c.label()}: {c.summary().split(': ', 1)[1]}"
+                 + (" (pinned)" if pins.tp or pins.pp or pins.dp else ""))
+        for other in cands[1:4]:
+            r.append(f"not {other.summary()}")
+    if pins.max_model_len:
+        r.append(f"max-model-len {c.max_model_len:,}: pinned by you")
+    elif c.fits and c.max_model_len == spec.max_context:
+        r.append(f"max-model-len {c.max_model_len:,}: the model's full context fits")
+    elif c.fits:
+        r.append(f"max-model-len {c.max_model_len:,}: the largest that fits (full context "
+                 f"{spec.max_context:,} does not)")
+    if plan.chunked_prefill:
+        r.append(f"chunked prefill on with max-num-batched-tokens {c.max_num_batched_tokens:,} "
+                 f"and max-num-seqs {c.max_num_seqs:,}: vLLM's defaults for this GPU class")
+    else:
+        r.append(f"chunked prefill off: vLLM turns it off for MLA on the {plan.hardware.kind.name}"
+                 " platform")
+    if plan.kv_pinned:
+        r.append(f"KV cache pinned to {c.kv_memory:,} bytes with --kv-cache-memory-bytes "
+                 f"({c.blocks:,} blocks of {c.block_size} tokens)")
+    if c.layout.tp > 1 and spec.attention.startswith("mla"):
+        r.append("MLA keeps one latent per token on every TP rank: the KV cache is not split "
+                 "by TP")
+
+
+# ----------------------------------------------------------------------------- suggestions
+
+
+def _try(spec: ModelSpec, hw: Hardware, pins: Pins) -> Plan | None:
+    try:
+        plan = make_plan(spec, hw, pins, suggest=False)
+    except InputError:
+        return None
+    return plan if plan.fits else None
+
+
+def _brief(plan: Plan) -> str:
+    c = plan.chosen
+    return (f"{c.label()}, {c.weights / GiB:.1f} GiB weights per GPU, "
+            f"{c.tokens:,} KV tokens, {c.max_model_len:,}-token context, "
+            f"{c.concurrency:.1f} concurrent")
+
+
+def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
+    """Ranked alternatives that do fit, each with its own numbers."""
+    out: list[str] = []
+    free_pins = dataclasses.replace(pins, tp=None, pp=None, dp=None)
+    if not hw.is_cpu:
+        per_node = max(hw.gpus_per_node, 8) if hw.gpus_per_node < 8 else hw.gpus_per_node
+        options = [(1, n) for n in (2, 4, 8) if hw.nodes == 1 and hw.gpus_per_node < n <= per_node]
+        options += [(n, per_node) for n in (2, 3, 4) if n > hw.nodes]
+        for nodes, gpn in options:
+            bigger = dataclasses.replace(hw, nodes=nodes, gpus_per_node=gpn)
+            plan = _try(spec, bigger, free_pins)
+            if plan:
+                layout = f"{nodes}x{gpn}x{hw.kind.name}" if nodes > 1 else f"{gpn}x{hw.kind.name}"
+                out.append(f"more GPUs: {layout} fits ({_brief(plan)})"
+                           + (" across nodes" if nodes > 1 else ""))
+                break
+    if pins.max_model_len:
+        relaxed = make_plan(spec, hw, dataclasses.replace(pins, max_model_len=None),
+                            suggest=False)
+        if relaxed.fits:
+            out.append(f"shorter context: --max-model-len {relaxed.chosen.max_model_len:,} fits "
+                       f"({_brief(relaxed)})")
+    if spec.quant.method in ("none", "fp8_block", "fp8_channel"):
+        quant = Quant("int4_group", 4, 128)
+        q_spec = dataclasses.replace(spec, quant=quant, name=f"{spec.name}-awq")
+        plan = _try(q_spec, hw, free_pins)
+        if plan:
+            out.append(f"a quantized variant: an AWQ/GPTQ int4 checkpoint of {spec.name} "
+                       f"({B.weights_bytes(q_spec) / GiB:.0f} GiB) fits ({_brief(plan)})")
+    if spec.architecture.startswith("deepseek"):
+        from .model import list_profiles
+
+        distills = [p for p in list_profiles() if p.distill_of]
+        distills.sort(key=lambda p: B.param_count(p), reverse=True)
+        for d in distills:
+            plan = _try(d, hw, Pins(vllm_version=pins.vllm_version))
+            if plan:
+                out.append(f"an R1 distill: {d.name} ({B.param_count(d) / 1e9:.1f}B) fits "
+                           f"({_brief(plan)})")
+                break
+    if not out:
+        out.append("nothing close fits this hardware; try a larger GPU class")
+    return out

@@ -1,0 +1,63 @@
+"""Plans as text a person reads: the verdict, the per-GPU budget bar, reasons, the command."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+GiB = 1 << 30
+
+_SEGMENTS = (("weights_bytes", "W", "weights"), ("activation_bytes", "A", "activations"),
+             ("cudagraph_bytes", "G", "CUDA graphs"), ("non_torch_bytes", "N", "non-torch"),
+             ("kv_cache_bytes", "K", "KV cache"))
+
+
+def budget_bar(per_gpu: dict[str, int], total: int, width: int = 60) -> list[str]:
+    """A stacked bar of one GPU: each consumer's share of the card's total, then headroom."""
+    bar, used = "", 0
+    for key, char, _ in _SEGMENTS:
+        n = round(per_gpu.get(key, 0) / total * width) if total else 0
+        bar += char * n
+        used += per_gpu.get(key, 0)
+    bar = bar[:width]
+    bar += "." * (width - len(bar))
+    legend = "  ".join(f"{char}={name} {per_gpu.get(key, 0) / GiB:.2f}"
+                       for key, char, name in _SEGMENTS)
+    head = max(0, total - used)
+    return [f"[{bar}] {total / GiB:.1f} GiB", f"{legend}  .=headroom {head / GiB:.2f} GiB"]
+
+
+def plan_text(d: dict[str, Any]) -> str:
+    """The text form of a plan dict (the same dict `--format json` prints)."""
+    m, g, p, kv = d["model"], d["gpus"], d["parallel"], d["kv_cache"]
+    gpus = "cpu" if g["platform"] == "cpu" else (
+        f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}" if g["nodes"] > 1
+        else f"{g['count']}x{g['name']}")
+    lines = [f"{m['name']} on {gpus} ({g['source']}): "
+             + ("FITS" if d["fits"] else "DOES NOT FIT"),
+             f"  model: {m['architecture']}, {m['params'] / 1e9:.1f}B params stored, "
+             f"{m['weights_bytes'] / GiB:.1f} GiB loaded ({m['quantization']}), "
+             f"context {m['max_context']:,}"]
+    layout = f"TP {p['tp']}, PP {p['pp']}, DP {p['dp']}" + (", EP" if p["expert_parallel"] else "")
+    if d["fits"]:
+        lines += [f"  layout: {layout}, {p['nodes']} node(s)",
+                  f"  max-model-len {d['max_model_len']:,}, kv-cache-dtype {kv['dtype']}, "
+                  f"block {kv['block_size']}, gpu-memory-utilization "
+                  f"{d['gpu_memory_utilization']:.2f}",
+                  f"  KV cache: {kv['tokens']:,} tokens per engine "
+                  f"({kv['bytes_per_token']:,} B/token per GPU), max concurrency "
+                  f"{d['max_concurrency']:.2f}x at {d['max_model_len']:,} tokens"]
+    lines.append("  per GPU (limiting rank):")
+    lines += ["    " + x for x in budget_bar(d["per_gpu"], g["total_bytes"])]
+    lines.append(f"    vLLM may use {d['per_gpu']['requested_bytes'] / GiB:.2f} GiB "
+                 f"of {g['total_bytes'] / GiB:.2f} GiB ({g['free_bytes'] / GiB:.2f} GiB free)")
+    for title, key in (("why", "reasons"), ("warnings", "warnings"),
+                       ("what would fit", "suggestions")):
+        if d.get(key):
+            lines.append(f"  {title}:")
+            lines += [f"    - {x}" for x in d[key]]
+    if d["fits"]:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in d["env"].items())
+        lines.append("  command:")
+        lines.append(f"    {env} vllm serve " + " ".join(shlex.quote(a) for a in d["vllm_args"]))
+    return "\n".join(lines)

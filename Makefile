@@ -42,7 +42,7 @@ test: venv engine prometheus
 	$(BIN)/pytest -q
 
 bench: venv
-	$(BIN)/python -m launcher.bench
+	@for b in bench/*_bench.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 demo: venv engine
 	$(BIN)/python -m launcher.demo

@@ -30,11 +30,12 @@ SAMPLER_LOGIT_COPIES = 9.65
 top-k/top-p. Measured on vLLM V1 start-ups of Llama-3.1-8B, Qwen3-0.6B, Qwen3-32B and
 gpt-oss-20b/120b on H100 (shared/validation rows LD01-LD10: 9.59-9.73 for three vocabularies)."""
 
-ACT_HIDDEN_COPIES = 10
+ACT_HIDDEN_COPIES = 9
 """Live hidden-size activations per token during the profiling forward pass (residual,
 norm output, attention input/output, MoE input and combine buffers), in units of
-hidden_size x activation bytes. Chosen between the V0 DeepSeek TP8 rows (DS11: ~8, DS17: ~14)
-and Llama-3-8B (LL02: ~13 with the MLP term below)."""
+hidden_size x activation bytes. One value for every model, chosen over all validation rows whose
+forward pass sets the peak (V0 DeepSeek-R1 TP8 at 163,840 tokens: ~8; V0 DeepSeek-V3-AWQ TP8:
+~14; Llama-3-8B V0: ~6 with the MLP term below)."""
 
 ACT_MLP_COPIES = 2
 """Live MLP-width activations per token: the gate/up output and the activated product

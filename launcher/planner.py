@@ -56,6 +56,7 @@ class Pins:
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = None
     vllm_version: str | None = None
+    block_size: int | None = None
 
     def validate(self) -> None:
         for name in ("tp", "pp", "dp", "max_num_seqs", "max_num_batched_tokens"):
@@ -304,7 +305,7 @@ def _kv_dtype(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
 def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, util: float,
              traits: VersionTraits, pins: Pins, chunked: bool) -> Candidate:
     """Run the budget model for one layout; the result says whether and how well it fits."""
-    block, _ = block_size(hw, spec.attention, kv_dtype)
+    block = pins.block_size or block_size(hw, spec.attention, kv_dtype)[0]
     world = layout.tp * layout.pp
     d_tokens, d_seqs = batch_defaults(hw, world)
     seqs = pins.max_num_seqs or d_seqs

@@ -1,0 +1,139 @@
+"""Planner verdicts and the `vlaunch plan` contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from launcher.cli import cli
+from launcher.hardware import parse_gpus
+from launcher.model import load_model
+from launcher.planner import Pins, make_plan
+
+V = Pins(vllm_version="0.32.0")
+
+
+def plan(model, gpus, **pins):
+    return make_plan(load_model(model), parse_gpus(gpus), Pins(vllm_version="0.32.0", **pins))
+
+
+def test_v3_fits_8xh200_full_context_fp8():
+    p = plan("deepseek-v3", "8xH200")
+    assert p.fits
+    assert p.chosen.max_model_len == 163_840
+    assert p.chosen.kv_dtype == "fp8"
+    assert p.chosen.concurrency >= 1
+
+
+def test_v3_does_not_fit_8xh100_and_says_what_would():
+    p = plan("deepseek-v3", "8xH100")
+    assert not p.fits
+    assert "exceed" in p.chosen.problem
+    text = " ".join(p.suggestions)
+    assert "2x8xH100" in text and "distill" in text and "int4" in text
+
+
+def test_r1_fits_two_h100_nodes():
+    p = plan("deepseek-r1", "2x8xH100")
+    assert p.fits and p.chosen.layout.nodes == 2
+    assert p.chosen.layout.tp * p.chosen.layout.pp * p.chosen.layout.dp == 16
+
+
+def test_pinned_tp_is_kept_and_explained():
+    p = plan("deepseek-v3", "8xH200", tp=8)
+    assert p.chosen.layout.tp == 8 and p.chosen.layout.dp == 1
+    assert p.chosen.max_model_len == 163_840
+
+
+def test_pinned_len_that_cannot_fit_is_a_misfit():
+    p = plan("r1-distill-qwen-32b", "1xL4", max_model_len=131072)
+    assert not p.fits
+
+
+def test_fp8_not_on_ampere_for_mla():
+    p = plan("deepseek-v2-lite", "1xA100-80GB")
+    assert p.chosen.kv_dtype == "auto"
+    assert any("8.9" in r for r in p.reasons)
+
+
+def test_fp8_never_on_cpu_for_mla():
+    p = make_plan(load_model("deepseek-v2-lite"), parse_gpus("cpu"), V)
+    assert p.chosen.kv_dtype == "auto"
+    assert "--kv-cache-memory-bytes" in p.vllm_args()
+
+
+def test_gqa_tp_must_divide_heads():
+    # 28 heads: TP 8 is impossible; the planner picks TP 1, 2 or 4 only.
+    p = plan("r1-distill-qwen-7b", "8xH100")
+    assert p.chosen.layout.tp in (1, 2, 4)
+
+
+def test_utilization_lowered_when_gpu_is_shared():
+    from dataclasses import replace
+
+    hw = parse_gpus("1xH100")
+    busy = replace(hw, free_bytes=hw.total_bytes // 2, source="nvml",
+                   notes=("GPU 0: pid 42 (python) holds 39.8 GiB",))
+    p = make_plan(load_model("r1-distill-qwen-1.5b"), busy, V)
+    assert p.chosen.utilization <= 0.5
+    assert any("pid 42" in w for w in p.warnings)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", "nosuch", "--gpus", "8xH200"], "unknown model"),
+    (["plan", "deepseek-v3", "--gpus", "8xZ9"], "unknown GPU"),
+    (["plan", "deepseek-v3", "--gpus", "8x/H200"], "malformed --gpus"),
+    (["plan", "deepseek-v3", "--gpus", "8xH200", "--tp", "3"], "does not divide"),
+    (["plan", "deepseek-v3", "--gpus", "8xH200", "--gpu-memory-utilization", "1.5"], "(0, 1]"),
+    (["plan", "deepseek-v3", "--gpus", "8xH200", "--max-model-len", "-5"], "positive"),
+    (["plan", "deepseek-v3", "--gpus", "8xH200", "--kv-cache-dtype", "int3"], "kv-cache-dtype"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 2, r.output
+    assert needle in r.output
+    assert "Traceback" not in r.output
+
+
+def test_bad_config_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    r = CliRunner().invoke(cli, ["plan", str(tmp_path), "--gpus", "1xH100"])
+    assert r.exit_code == 2 and "cannot read" in r.output
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    r = CliRunner().invoke(cli, ["plan", str(tmp_path), "--gpus", "1xH100"])
+    assert r.exit_code == 2 and "incomplete" in r.output
+
+
+def test_json_contract():
+    r = CliRunner().invoke(cli, ["plan", "deepseek-v3", "--gpus", "8xH200", "--format", "json",
+                                 "--vllm-version", "0.32.0"])
+    assert r.exit_code == 0
+    d = json.loads(r.output)
+    for key in ("fits", "model", "gpus", "parallel", "gpu_memory_utilization", "max_model_len",
+                "max_num_seqs", "max_num_batched_tokens", "kv_cache", "per_gpu",
+                "max_concurrency", "vllm_args", "env", "reasons", "warnings", "suggestions"):
+        assert key in d
+    assert d["model"]["params"] == 684_531_386_000
+    assert set(d["kv_cache"]) >= {"dtype", "bytes_per_token", "block_size", "memory_bytes",
+                                  "tokens"}
+    assert d["vllm_args"][:2] == ["--model", "deepseek-ai/DeepSeek-V3"]
+
+
+def test_misfit_exits_3():
+    r = CliRunner().invoke(cli, ["plan", "deepseek-v3", "--gpus", "8xH100"])
+    assert r.exit_code == 3
+    assert "DOES NOT FIT" in r.output and "what would fit" in r.output
+
+
+def test_plan_path_stays_light():
+    code = ("import sys; from launcher.cli import main; sys.argv=['vlaunch','plan','deepseek-v3',"
+            "'--gpus','8xH200','--format','json']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "heavy=[m for m in ('torch','vllm','transformers','numpy') if m in sys.modules]\n"
+            "print('HEAVY', heavy, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in r.stderr, r.stderr

@@ -205,6 +205,111 @@ def profiles_cmd(fmt: str) -> None:
                    f"{r['context']:>8,}  {r['attention']:9}  {r['quantization']}")
 
 
+def _serve_options(f):
+    opts = [
+        click.option("--max-attempts", type=click.IntRange(1, 10), default=3, show_default=True,
+                     help="Start-up attempts, each re-planned from the last failure."),
+        click.option("--metrics-port", type=click.IntRange(0, 65535), default=9400,
+                     show_default=True, help="vlaunch exporter port (0: any free port)."),
+        click.option("--metrics-bind", default="127.0.0.1", show_default=True),
+        click.option("--no-metrics", is_flag=True, help="Do not start the exporter."),
+        click.option("--port", type=int, help="vLLM's API port (default: a free port)."),
+        click.option("--startup-timeout", type=float, help="Seconds before a start-up is a hang."),
+        click.option("--log-dir", type=click.Path(file_okay=False), default=".",
+                     show_default=True, help="Where vLLM's logs go."),
+        click.option("-q", "--quiet", is_flag=True, help="Do not print the plan and progress."),
+        click.option("-v", "--verbose", is_flag=True, help="Echo vLLM's log, prefixed."),
+        click.option("--dry-run", is_flag=True, help="Print the exact command and environment."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _run_serve(spec, hw, pins, extra, opts) -> None:
+    from pathlib import Path
+
+    from .serve import serve
+
+    log_dir = Path(opts["log_dir"])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result = serve(spec, hw, pins, list(extra), max_attempts=opts["max_attempts"],
+                   quiet=opts["quiet"], verbose=opts["verbose"], dry_run=opts["dry_run"],
+                   metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
+                   metrics_bind=opts["metrics_bind"], log_dir=log_dir,
+                   startup_timeout=opts["startup_timeout"], port=opts["port"],
+                   out=lambda s: click.echo(s))
+    sys.exit(result.exit_code)
+
+
+_SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "port",
+               "startup_timeout", "log_dir", "quiet", "verbose", "dry_run")
+
+
+@cli.command("serve", context_settings={"ignore_unknown_options": False})
+@click.argument("model")
+@plan_options
+@_serve_options
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def serve_cmd(model: str, gpus: str | None, extra: tuple[str, ...], **kw) -> None:
+    """Plan MODEL, start vLLM on the plan, verify it, recover, and keep it serving.
+
+    Arguments after `--` go to vLLM; a flag given there replaces the plan's (reported).
+    """
+    from .model import load_model
+
+    opts = {k: kw.pop(k) for k in _SERVE_KEYS}
+    spec = load_model(model)
+    _run_serve(spec, _hardware(gpus), _pins(**kw), extra, opts)
+
+
+@cli.command("exec")
+@click.option("--plan", "plan_path", required=True, type=click.Path(),
+              help="plan.json (or its folder) written by `vlaunch plan --emit`.")
+@click.option("--role", type=click.Choice(["leader", "worker"]),
+              help="Multi-node role (default: from LWS_WORKER_INDEX).")
+@_serve_options
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> None:
+    """Start vLLM on an emitted plan (the main container of the init-container pattern)."""
+    import os
+
+    from .emit import load_plan
+    from .hardware import parse_gpus
+    from .model import load_model
+
+    opts = {k: kw.pop(k) for k in _SERVE_KEYS}
+    d = load_plan(plan_path)
+    nodes = int(d["parallel"].get("nodes", 1))
+    if nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
+        from .multinode import build_launch
+
+        launch = build_launch(d, role=role)
+        import subprocess
+
+        for pre in launch.pre_commands:
+            subprocess.run(pre, check=True)
+        os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+    spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
+    g = d["gpus"]
+    hw = parse_gpus("cpu" if g["platform"] == "cpu" else
+                    f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}")
+    if g["platform"] != "cpu":
+        from dataclasses import replace
+
+        hw = replace(hw, total_bytes=g["total_bytes"], free_bytes=g["free_bytes"],
+                     source=g.get("source", "plan"))
+    p, kv = d["parallel"], d["kv_cache"]
+    pins = _pins(tp=p["tp"], pp=p["pp"], dp=p["dp"], expert_parallel=p["expert_parallel"],
+                 max_model_len=d["max_model_len"], kv_cache_dtype=kv["dtype"],
+                 gpu_memory_utilization=None if kv.get("pinned") else d["gpu_memory_utilization"],
+                 kv_cache_memory_bytes=kv["memory_bytes"] if kv.get("pinned") else None,
+                 max_num_seqs=d["max_num_seqs"],
+                 max_num_batched_tokens=d["max_num_batched_tokens"],
+                 vllm_version=d.get("vllm_version"))
+    _run_serve(spec, hw, pins, extra, opts)
+
+
 def main() -> None:
     try:
         cli(prog_name="vlaunch")

@@ -153,8 +153,6 @@ class Plan:
             args += ["--pipeline-parallel-size", str(L.pp)]
         if L.dp > 1:
             args += ["--data-parallel-size", str(L.dp)]
-            if L.nodes > 1:
-                args += ["--data-parallel-size-local", str(self.hardware.gpus_per_node // L.tp)]
         if L.expert_parallel:
             args.append("--enable-expert-parallel")
         args += ["--max-model-len", str(c.max_model_len), "--kv-cache-dtype", c.kv_dtype]
@@ -173,10 +171,7 @@ class Plan:
     def env(self) -> dict[str, str]:
         # Big checkpoints load for many minutes; vLLM's engine-ready wait defaults to 600 s.
         load_s = max(600, int(B.weights_bytes(self.model) / (200 * MiB)))
-        env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(load_s)}
-        if self.hardware.is_cpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = ""  # would override --kv-cache-memory-bytes
-        return env
+        return {"VLLM_ENGINE_READY_TIMEOUT_S": str(load_s)}
 
     def to_dict(self) -> dict[str, Any]:
         c, L, hw, m = self.chosen, self.chosen.layout, self.hardware, self.model
@@ -322,6 +317,8 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     target = pins.max_model_len or full
 
     tokens_cap = pins.max_num_batched_tokens or min(d_tokens, seqs * target)
+    if not chunked:  # vLLM requires a whole max-length prompt per step without chunking
+        tokens_cap = max(tokens_cap, target)
     profile_tokens = tokens_cap if chunked else max(tokens_cap, target)
     activation = B.activation_bytes(spec, layout, profile_tokens, seqs)
     eager = pins.enforce_eager or hw.is_cpu

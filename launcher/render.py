@@ -27,6 +27,10 @@ def budget_bar(per_gpu: dict[str, int], total: int, width: int = 60) -> list[str
     return [f"[{bar}] {total / GiB:.1f} GiB", f"{legend}  .=headroom {head / GiB:.2f} GiB"]
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def plan_text(d: dict[str, Any]) -> str:
     """The text form of a plan dict (the same dict `--format json` prints)."""
     m, g, p, kv = d["model"], d["gpus"], d["parallel"], d["kv_cache"]
@@ -35,8 +39,8 @@ def plan_text(d: dict[str, Any]) -> str:
         else f"{g['count']}x{g['name']}")
     lines = [f"{m['name']} on {gpus} ({g['source']}): "
              + ("FITS" if d["fits"] else "DOES NOT FIT"),
-             f"  model: {m['architecture']}, {m['params'] / 1e9:.1f}B params stored, "
-             f"{m['weights_bytes'] / GiB:.1f} GiB loaded ({m['quantization']}), "
+             f"  model: {m['architecture']}, {_count(m['params'])} params stored, "
+             f"{m['weights_bytes'] / GiB:.2f} GiB loaded ({m['quantization']}), "
              f"context {m['max_context']:,}"]
     layout = f"TP {p['tp']}, PP {p['pp']}, DP {p['dp']}" + (", EP" if p["expert_parallel"] else "")
     if d["fits"]:

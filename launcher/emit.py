@@ -1,0 +1,146 @@
+"""Hand a plan from the planner to the process that runs it, through files.
+
+In Kubernetes the planner runs as an init container and vLLM in the main container; the only
+thing they share is a volume. So the plan goes there as three files:
+
+- `plan.json`: the whole plan (`Plan.to_dict()`), what `vlaunch exec` reads back;
+- `vllm-args`: vLLM's arguments, one per line, for a shell entrypoint or a human;
+- `vllm.env`: the environment the plan asks for, as `KEY='value'` lines a shell can source.
+
+Every file is written atomically (temp file in the same folder, then `os.replace`), and
+`plan.json` is written last, so a reader that finds `plan.json` finds the other two complete
+and never sees half a file, even if the planner is killed mid-write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import tempfile
+from pathlib import Path
+
+from .errors import InputError
+
+PLAN_FILE = "plan.json"
+ARGS_FILE = "vllm-args"
+ENV_FILE = "vllm.env"
+
+# Kubernetes truncates a container's termination message at 4096 bytes; staying under it
+# keeps the end of the message (our own marker) visible in `kubectl describe pod`.
+TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_MAX_BYTES = 4096
+_TRUNCATED = "\n[...truncated]"
+
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
+    """Write `text` to `path` so that readers see the old file or the new one, never a mix.
+
+    The temp file lives in the same folder because `os.replace` is only atomic within one
+    filesystem. It is fsynced before the rename so a node crash cannot leave an empty file
+    under the final name.
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def _args_text(plan: dict) -> str:
+    args = plan.get("vllm_args")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise InputError("plan has no `vllm_args` list of strings; emit a plan from `vlaunch plan`")
+    for a in args:
+        if "\n" in a or "\r" in a:
+            raise InputError(f"vLLM argument {a!r} holds a line break; one argument per line")
+    return "".join(f"{a}\n" for a in args)
+
+
+def _env_text(plan: dict) -> str:
+    env = plan.get("env") or {}
+    if not isinstance(env, dict):
+        raise InputError("plan `env` must be a map of NAME to value")
+    lines = []
+    for key in sorted(env):
+        if not isinstance(key, str) or not _ENV_KEY.match(key):
+            raise InputError(f"environment name {key!r} is not valid; use letters, digits, _")
+        lines.append(f"{key}={shlex.quote(str(env[key]))}\n")
+    return "".join(lines)
+
+
+def emit_plan(plan: dict, out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write the plan's three files into `out_dir`; return their paths (plan.json last).
+
+    Everything is rendered before anything is written, so a plan that cannot be expressed
+    (a bad env name, an argument with a line break) leaves the folder untouched.
+    """
+    if not isinstance(plan, dict):
+        raise InputError("a plan is a JSON object (Plan.to_dict())")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--emit {out}: not a folder; give a folder for the plan files")
+    rendered = [
+        (ARGS_FILE, _args_text(plan)),
+        (ENV_FILE, _env_text(plan)),
+        (PLAN_FILE, json.dumps(plan, indent=2, sort_keys=True) + "\n"),
+    ]
+    out.mkdir(parents=True, exist_ok=True)
+    return [atomic_write(out / name, text) for name, text in rendered]
+
+
+def load_plan(path: str | os.PathLike[str]) -> dict:
+    """Read a plan written by `emit_plan`: a plan.json, or the folder that holds one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / PLAN_FILE
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(
+            f"no plan at {p}; write one with `vlaunch plan MODEL --emit DIR`"
+        ) from None
+    except OSError as e:
+        raise InputError(f"cannot read plan {p}: {e.strerror}") from None
+    try:
+        plan = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"plan {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(plan, dict) or not isinstance(plan.get("vllm_args"), list):
+        raise InputError(f"plan {p} is not a vlaunch plan: expected an object with `vllm_args`")
+    return plan
+
+
+def write_termination_message(text: str, path: str | os.PathLike[str] = TERMINATION_LOG) -> bool:
+    """Leave `text` where Kubernetes shows it as the container's last state; True if written.
+
+    Only writes when the file already exists: the kubelet creates it inside a pod, and
+    outside one we must not create `/dev/termination-log`. Best effort by design: failing to
+    explain a failure must not hide the failure itself, so write errors return False.
+    """
+    p = Path(path)
+    if not p.exists():
+        return False
+    data = text.encode("utf-8")
+    if len(data) > TERMINATION_MAX_BYTES:
+        keep = TERMINATION_MAX_BYTES - len(_TRUNCATED.encode())
+        data = data[:keep].decode("utf-8", errors="ignore").encode("utf-8") + _TRUNCATED.encode()
+    try:
+        with open(p, "wb") as f:
+            f.write(data)
+    except OSError:
+        return False
+    return True

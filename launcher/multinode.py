@@ -1,0 +1,265 @@
+"""Turn a plan into the command each node of a multi-node deployment runs.
+
+vLLM already knows how to span nodes; this module only picks the right one of its own
+mechanisms for the plan and fills in the flags from the LeaderWorkerSet environment
+(`LWS_LEADER_ADDRESS`, `LWS_GROUP_SIZE`, `LWS_WORKER_INDEX`). Flag names are vLLM 0.32.0's
+(`vllm/engine/arg_utils.py`, `vllm/entrypoints/cli/serve.py`):
+
+- mp executor, one model replica spanning nodes (TP/PP): every node runs `vllm serve` with
+  `--nnodes N --node-rank R --master-addr LEADER`; nodes other than the leader add
+  `--headless` (they run engine workers and no API server).
+- mp, data parallel across nodes (DP, usually with expert parallel): every node runs
+  `--data-parallel-size D --data-parallel-size-local L --data-parallel-address LEADER
+  --data-parallel-rpc-port P`; the others add `--data-parallel-start-rank S --headless`.
+- Ray executor: the leader starts a Ray head and vLLM with `--distributed-executor-backend
+  ray`; the others only join the Ray cluster (`ray start --address=LEADER:6379 --block`).
+  vLLM itself waits for the workers' GPUs to join its placement group.
+
+Nothing here starts a process: the caller (`vlaunch exec`) runs `pre_commands` in order,
+then replaces itself with `argv`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .errors import InputError
+
+LEADER, WORKER = "leader", "worker"
+BACKENDS = ("mp", "ray")
+VLLM_PROGRAM = ("vllm", "serve")
+# vLLM's own default (ParallelConfig.data_parallel_rpc_port), passed explicitly because
+# "all nodes must use the same port" and an explicit value survives a changed default.
+DP_RPC_PORT = 29550
+RAY_PORT = 6379
+
+# Flags this module sets per node; a plan that already carries them would be ambiguous.
+_NODE_FLAGS = (
+    "--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless",
+    "--data-parallel-size-local", "-dpl", "--data-parallel-address", "-dpa",
+    "--data-parallel-rpc-port", "-dpp", "--data-parallel-start-rank", "-dpr",
+    "--distributed-executor-backend",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LwsEnv:
+    """What the LeaderWorkerSet controller tells each pod about its group."""
+
+    leader_address: str | None = None
+    group_size: int | None = None
+    worker_index: int | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> LwsEnv:
+        return cls(
+            leader_address=environ.get("LWS_LEADER_ADDRESS") or None,
+            group_size=_env_int(environ, "LWS_GROUP_SIZE"),
+            worker_index=_env_int(environ, "LWS_WORKER_INDEX"),
+        )
+
+
+@dataclass
+class NodeLaunch:
+    """What one node runs: `pre_commands` to completion, then `argv` in the foreground."""
+
+    role: str  # leader | worker
+    node_rank: int
+    nnodes: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
+    pre_commands: list[list[str]] = field(default_factory=list)
+    serves_api: bool = True  # False on headless/Ray workers: no /health to probe
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(f"{name}={raw!r} is not a whole number") from None
+
+
+def _flag_value(args: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value of the last `--flag V` / `--flag=V` among `names`, or None."""
+    found = None
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                found = args[i + 1]
+            elif a.startswith(n + "="):
+                found = a[len(n) + 1 :]
+    return found
+
+
+def _int_field(parallel: Mapping, key: str, default: int = 1) -> int:
+    value = parallel.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"plan parallel.{key}={value!r}; expected a whole number >= 1")
+    return value
+
+
+def _check_plan_args(args: list[str], tp: int, pp: int, dp: int, ep: bool) -> None:
+    """The plan's `parallel` and its `vllm_args` must say the same thing, or one of them lies."""
+    for key, names, want in (
+        ("tp", ("--tensor-parallel-size", "-tp"), tp),
+        ("pp", ("--pipeline-parallel-size", "-pp"), pp),
+        ("dp", ("--data-parallel-size", "-dp"), dp),
+    ):
+        raw = _flag_value(args, names)
+        got = 1 if raw is None else raw
+        if str(got) != str(want):
+            raise InputError(
+                f"plan says parallel.{key}={want} but its vllm_args give {names[0]} {got}; "
+                "re-run `vlaunch plan`"
+            )
+    has_ep = any(a in ("--enable-expert-parallel", "-ep") for a in args)
+    if has_ep != ep:
+        raise InputError(
+            f"plan says parallel.expert_parallel={ep} but --enable-expert-parallel is "
+            f"{'present' if has_ep else 'absent'} in vllm_args; re-run `vlaunch plan`"
+        )
+    for a in args:
+        if a.split("=", 1)[0] in _NODE_FLAGS:
+            raise InputError(
+                f"plan vllm_args already hold {a}; per-node flags are added at launch, not planned"
+            )
+
+
+def _resolve_node(
+    nnodes: int, role: str | None, lws: LwsEnv, leader_address: str | None
+) -> tuple[str, int, str]:
+    """Role, node rank and leader address from --role and the LeaderWorkerSet environment."""
+    if role not in (None, LEADER, WORKER):
+        raise InputError(f"--role {role!r}; expected leader or worker")
+    if lws.group_size is not None and lws.group_size != nnodes:
+        raise InputError(
+            f"LWS_GROUP_SIZE={lws.group_size} but the plan is for {nnodes} nodes; "
+            f"set the LeaderWorkerSet size to {nnodes}"
+        )
+    rank = lws.worker_index
+    if rank is None:
+        if role == LEADER:
+            rank = 0
+        elif role == WORKER and nnodes == 2:
+            rank = 1  # the only worker there is
+        else:
+            raise InputError(
+                f"a {nnodes}-node plan needs this node's rank: set LWS_WORKER_INDEX "
+                "(a LeaderWorkerSet does) or give --role leader|worker on 2 nodes"
+            )
+    if not 0 <= rank < nnodes:
+        raise InputError(f"LWS_WORKER_INDEX={rank}; expected 0..{nnodes - 1} for {nnodes} nodes")
+    actual = LEADER if rank == 0 else WORKER
+    if role is not None and role != actual:
+        raise InputError(f"--role {role} but LWS_WORKER_INDEX={rank} makes this node the {actual}")
+    address = leader_address or lws.leader_address
+    if not address:
+        raise InputError(
+            "a multi-node plan needs the leader's address: set LWS_LEADER_ADDRESS "
+            "(a LeaderWorkerSet does)"
+        )
+    return actual, rank, address
+
+
+def build_launch(
+    plan: Mapping,
+    environ: Mapping[str, str] | None = None,
+    role: str | None = None,
+    *,
+    program: Sequence[str] = VLLM_PROGRAM,
+    leader_address: str | None = None,
+    master_port: int | None = None,
+    dp_rpc_port: int = DP_RPC_PORT,
+    ray_port: int = RAY_PORT,
+) -> NodeLaunch:
+    """The command, environment and pre-commands for this node of `plan`.
+
+    `environ` defaults to the process environment; `program` is how vLLM's `serve` is
+    invoked in the image (`vllm serve` in the official one). `leader_address` overrides
+    LWS_LEADER_ADDRESS (tests on loopback).
+    """
+    environ = os.environ if environ is None else environ
+    args = plan.get("vllm_args")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise InputError("plan has no `vllm_args` list of strings; emit a plan from `vlaunch plan`")
+    args = list(args)
+    parallel = plan.get("parallel") or {}
+    tp, pp, dp = (_int_field(parallel, k) for k in ("tp", "pp", "dp"))
+    ep = bool(parallel.get("expert_parallel", False))
+    nnodes = _int_field(parallel, "nodes", (plan.get("gpus") or {}).get("nodes", 1))
+    backend = plan.get("distributed_executor_backend") or "mp"
+    if backend not in BACKENDS:
+        raise InputError(f"distributed_executor_backend={backend!r}; expected mp or ray")
+    _check_plan_args(args, tp, pp, dp, ep)
+    env = {str(k): str(v) for k, v in (plan.get("env") or {}).items()}
+    serve = [*program, *args]
+    backend_flag = ["--distributed-executor-backend", "ray"] if backend == "ray" else []
+
+    if nnodes == 1:
+        if role == WORKER or (_env_int(environ, "LWS_WORKER_INDEX") or 0) != 0:
+            raise InputError("the plan is for one node; there is no worker to run")
+        return NodeLaunch(LEADER, 0, 1, serve + backend_flag, env)
+
+    node_role, rank, leader = _resolve_node(
+        nnodes, role, LwsEnv.from_environ(environ), leader_address
+    )
+    if environ.get("POD_IP"):
+        # vLLM advertises get_ip() to its peers; in a pod that must be the pod IP.
+        env.setdefault("VLLM_HOST_IP", environ["POD_IP"])
+    gpus_per_node = (plan.get("gpus") or {}).get("gpus_per_node")
+
+    if backend == "ray":
+        if dp > 1:
+            raise InputError(
+                "data parallel across nodes is planned for the mp backend; "
+                "set distributed_executor_backend to mp"
+            )
+        if node_role == WORKER:
+            join = ["ray", "start", f"--address={leader}:{ray_port}", "--block"]
+            return NodeLaunch(WORKER, rank, nnodes, join, env, serves_api=False)
+        head = ["ray", "start", "--head", f"--port={ray_port}"]
+        return NodeLaunch(LEADER, 0, nnodes, serve + backend_flag, env, [head])
+
+    if dp == 1:
+        world = tp * pp
+        if world % nnodes:
+            raise InputError(
+                f"tp*pp={world} does not split evenly over {nnodes} nodes; "
+                "plan a layout whose world size is a multiple of the node count"
+            )
+        _check_per_node(world // nnodes, gpus_per_node)
+        flags = ["--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", leader]
+        if master_port is not None:
+            flags += ["--master-port", str(master_port)]
+    else:
+        if dp % nnodes:
+            raise InputError(
+                f"data parallel size {dp} does not split evenly over {nnodes} nodes; "
+                "plan a DP size that is a multiple of the node count"
+            )
+        local = dp // nnodes
+        _check_per_node(local * tp * pp, gpus_per_node)
+        flags = [
+            "--data-parallel-size-local", str(local),
+            "--data-parallel-address", leader,
+            "--data-parallel-rpc-port", str(dp_rpc_port),
+        ]  # fmt: skip
+        if node_role == WORKER:
+            flags += ["--data-parallel-start-rank", str(rank * local)]
+    if node_role == WORKER:
+        flags.append("--headless")
+    return NodeLaunch(node_role, rank, nnodes, serve + flags, env, serves_api=node_role == LEADER)
+
+
+def _check_per_node(ranks: int, gpus_per_node: object) -> None:
+    """vLLM puts world/nnodes ranks on each node; they must match the GPUs there."""
+    if isinstance(gpus_per_node, int) and gpus_per_node > 0 and ranks != gpus_per_node:
+        raise InputError(
+            f"the layout puts {ranks} GPU ranks on each node but the plan's nodes have "
+            f"{gpus_per_node} GPUs; re-run `vlaunch plan` for this hardware"
+        )

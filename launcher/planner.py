@@ -275,7 +275,6 @@ def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
                        f"because only {hw.free_bytes / GiB:.1f} GiB of "
                        f"{hw.total_bytes / GiB:.1f} GiB is free (vLLM refuses to start when "
                        "free < utilization x total)")
-        warnings.extend(n for n in hw.notes if n not in warnings)
         return max(0.01, ceiling)
     reasons.append(f"gpu-memory-utilization {u:.2f}: vLLM {traits.version}'s default, and the "
                    "free memory allows it")
@@ -375,7 +374,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     version = pins.vllm_version or default_vllm_version()
     traits = version_traits(version)
     reasons: list[str] = []
-    warnings: list[str] = list(n for n in hw.notes if "mixed" in n.lower())
+    warnings: list[str] = list(hw.notes)
     if pins.max_model_len and pins.max_model_len > spec.max_context:
         raise InputError(f"--max-model-len {pins.max_model_len:,} exceeds {spec.name}'s context "
                          f"of {spec.max_context:,} tokens (vLLM refuses it without "

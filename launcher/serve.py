@@ -147,6 +147,7 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     """Run the whole loop; returns when vLLM exits (or start-up finally failed)."""
     result = ServeResult(exit_code=1)
     extra = list(extra)
+    original = pins
     exporter = None
     say = (lambda s: None) if quiet else out  # noqa: E731
     for number in range(1, max_attempts + 1):
@@ -228,7 +229,9 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
                                          f"request failed ({(smoke.error or '')[:160]})")
                     out(f"vlaunch: fp8 KV does not work here; recorded in {path}; "
                         "restarting with --kv-cache-dtype auto")
-                    pins = dataclasses.replace(pins, kv_cache_dtype="auto")
+                    # A context shortened for fp8's capacity is re-planned for the new dtype.
+                    pins = dataclasses.replace(pins, kv_cache_dtype="auto",
+                                               max_model_len=original.max_model_len)
                     extra = _drop_flag(extra, "--kv-cache-dtype")
                     if exporter:
                         exporter.record_restart()

@@ -128,3 +128,12 @@ def test_sampler_dominates_small_models():
 def test_cudagraph_zero_when_eager(v3):
     assert B.cudagraph_bytes(v3, B.Layout(tp=8), 1024, 8192, enforce_eager=True) == 0
     assert B.capture_sizes(1024, 8192) == 51
+
+
+def test_skip_list_matches_whole_module_names():
+    # modules_to_not_convert: ["gate"] keeps the router in bf16 but must not catch gate_up.
+    q = B.Quant("fp8_block", 8, 0, (128, 128), skip=("gate",))
+    router = B.Tensor("gate", 256, 3072, quant=False)
+    experts = B.Tensor("experts.gate_up", 3072, 3072, quant=True)
+    assert not B.is_quantized(router, q)
+    assert B.is_quantized(experts, q)

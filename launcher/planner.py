@@ -164,14 +164,17 @@ class Plan:
                  "--max-num-batched-tokens", str(c.max_num_batched_tokens)]
         if self.chunked_prefill:
             args.append("--enable-chunked-prefill")
-        if self.hardware.is_cpu:
-            args += ["--block-size", str(c.block_size)]
         return args
 
     def env(self) -> dict[str, str]:
         # Big checkpoints load for many minutes; vLLM's engine-ready wait defaults to 600 s.
         load_s = max(600, int(B.weights_bytes(self.model) / (200 * MiB)))
-        return {"VLLM_ENGINE_READY_TIMEOUT_S": str(load_s)}
+        env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(load_s)}
+        if not self.hardware.is_cpu:
+            # vLLM 0.32 records its measured KV memory per model/hardware fingerprint and
+            # reuses it on the next boot (the CPU worker does not implement it).
+            env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
+        return env
 
     def to_dict(self) -> dict[str, Any]:
         c, L, hw, m = self.chosen, self.chosen.layout, self.hardware, self.model
@@ -342,18 +345,24 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     blocks = min(B.kv_blocks(a, kvs.page_bytes(block, len(r)))
                  for a, r in zip(avail, stages, strict=True))
     kv_memory = blocks * kvs.page_bytes(block, max(len(r) for r in stages))
-    tokens = blocks * block
-    length = pins.max_model_len or min(full, tokens)
+    # vLLM keeps one block back (the null block): one request may use blocks - 1 of them.
+    usable = max(0, blocks - 1) * block
+    length = pins.max_model_len or min(full, usable)
+    # vLLM reports KV tokens as whole max-length requests' worth: blocks / cdiv(len, block) * len
+    # (kv_cache_utils); equal to blocks x block when the length is a multiple of the block.
+    per_request = math.ceil(length / block) if length else 1
+    tokens = int(blocks / per_request * length) if length % block else blocks * block
     problem = ""
     if min(avail) <= 0:
         short = -min(avail)
         problem = (f"weights {max(weights) / GiB:.1f} GiB + overhead "
                    f"{(activation + cudagraph + non_torch) / GiB:.1f} GiB exceed the "
                    f"{requested / GiB:.1f} GiB vLLM may use per GPU by {short / GiB:.1f} GiB")
-    elif tokens < length:
-        problem = (f"KV cache holds {tokens:,} tokens, less than one {length:,}-token request")
+    elif usable < length:
+        problem = (f"KV cache holds {usable:,} tokens for one request, less than one "
+                   f"{length:,}-token request")
     elif not pins.max_model_len and length < min(MIN_CONTEXT, full):
-        problem = f"only {tokens:,} tokens of KV cache: below the {MIN_CONTEXT:,}-token minimum"
+        problem = f"only {usable:,} tokens of KV cache: below the {MIN_CONTEXT:,}-token minimum"
     seqs_final = pins.max_num_seqs or seqs
     return Candidate(layout, kv_dtype, block, util, requested, max(weights), activation,
                      cudagraph, non_torch, kv_memory, per_token, blocks, tokens, length,

@@ -93,31 +93,6 @@ class _Procs:
                 p.wait(timeout=10)
 
 
-def _plan(model_dir: Path) -> dict:
-    """A plan for the tiny model: from the planner when it is importable, else by hand."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
-    tokens = KV_BYTES // per_token // 16 * 16
-    return {
-        "fits": True,
-        "model": {"name": SERVED_NAME, "architecture": cfg["architectures"][0], "params": 0,
-                  "weights_bytes": 0, "path": str(model_dir)},
-        "gpus": {"name": "cpu", "count": 1, "nodes": 1, "gpus_per_node": 1, "total_bytes": 0,
-                 "free_bytes": 0},
-        "parallel": {"tp": 1, "pp": 1, "dp": 1, "expert_parallel": False, "nodes": 1},
-        "gpu_memory_utilization": 0.9, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 256,
-        "max_num_batched_tokens": 2048,
-        "kv_cache": {"dtype": "auto", "bytes_per_token": per_token, "block_size": 16,
-                     "memory_bytes": KV_BYTES, "tokens": tokens},
-        "per_gpu": {"requested_bytes": KV_BYTES, "weights_bytes": 10_000_000,
-                    "activation_bytes": 0, "cudagraph_bytes": 0, "non_torch_bytes": 0,
-                    "kv_cache_bytes": KV_BYTES},
-        "max_concurrency": tokens / MAX_MODEL_LEN, "vllm_version": "0.32.0",
-        "vllm_args": ["--model", str(model_dir)], "env": {},
-        "reasons": [], "warnings": [], "suggestions": [],
-    }
-
-
 def _stream_completion(base: str, prompt: str, max_tokens: int) -> None:
     body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
                        "stream": True, "ignore_eos": True, "temperature": 0.0}).encode()
@@ -157,22 +132,17 @@ def stack(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live")
     procs = _Procs()
     vllm_port, exp_port, prom_port = _free_port(), _free_port(), _free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
+        # The engine and its exporter come up through `vlaunch serve`, as a user runs them.
         vllm = procs.start(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", SERVED_NAME, "--kv-cache-memory-bytes", str(KV_BYTES),
-             "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1",
-             "--port", str(vllm_port)],
-            tmp / "vllm.log", env=env)
-        plan_path = tmp / "plan.json"
-        plan_path.write_text(json.dumps(_plan(model_dir)))
-        # Prometheus and the exporter start while vLLM loads: engine_up 0 is scraped meanwhile.
-        exporter = procs.start(
-            [sys.executable, "-m", "launcher.cli", "exporter", "--vllm-url",
-             f"http://127.0.0.1:{vllm_port}", "--plan", str(plan_path), "--port", str(exp_port),
-             "--bind", "127.0.0.1", "--cache-ttl", "0.5"],
-            tmp / "exporter.log", cwd=REPO)
+            [sys.executable, "-m", "launcher.cli", "serve", str(model_dir), "--gpus", "cpu",
+             "--kv-cache-memory-bytes", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
+             "--port", str(vllm_port), "--metrics-port", str(exp_port),
+             "--metrics-bind", "127.0.0.1", "--log-dir", str(tmp), "--",
+             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1"],
+            tmp / "vllm.log", env=env, cwd=REPO)
+        exporter = vllm
         rules = tmp / "alerts.yaml"
         shutil.copy(ALERTS, rules)
         config = {
@@ -192,8 +162,8 @@ def stack(request, tmp_path_factory):
              f"--web.listen-address=127.0.0.1:{prom_port}"],
             tmp / "prometheus.log")
         _wait_http(f"http://127.0.0.1:{prom_port}/-/ready", prom, 30, tmp / "prometheus.log")
-        _wait_http(f"http://127.0.0.1:{exp_port}/metrics", exporter, 30, tmp / "exporter.log")
-        _wait_http(f"http://127.0.0.1:{vllm_port}/health", vllm, 240, tmp / "vllm.log")
+        _wait_http(f"http://127.0.0.1:{vllm_port}/health", vllm, 600, tmp / "vllm.log")
+        _wait_http(f"http://127.0.0.1:{exp_port}/metrics", exporter, 300, tmp / "vllm.log")
         yield {"vllm": f"http://127.0.0.1:{vllm_port}", "prom": Prom(f"http://127.0.0.1:{prom_port}"),
                "exporter": f"http://127.0.0.1:{exp_port}", "tmp": tmp}
     finally:

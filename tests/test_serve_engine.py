@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-PAGE = 128 * 3 * 576 * 2  # one CPU block: 128 tokens x 3 layers x 576-wide latent x 2 B (bf16)
+PAGE = 128 * 3 * 576 * 2  # 128 tokens of the tiny model: 3 layers x 576-wide latent x 2 B (bf16)
 
 
 def _vlaunch(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -114,10 +114,11 @@ def test_init_container_contract(tiny_model: Path, tmp_path: Path):
 
 
 def test_kv_shortage_is_replanned(tiny_model: Path, tmp_path: Path):
-    # 16 pages hold 2,048 tokens; vLLM is told 4,096 by the user's extra flag, refuses with its
-    # own KV-shortage error, and the second attempt uses what its measurement allows.
+    # 17 x 128 tokens (one block kept back by vLLM) fit a 2,048-token plan; vLLM is told 4,096
+    # by the user's extra flag, refuses with its own KV-shortage error, and the second attempt
+    # uses what its measurement allows.
     proc = _vlaunch("serve", str(tiny_model), "--gpus", "cpu", "--kv-cache-memory-bytes",
-                    str(16 * PAGE), "--max-model-len", "2048", "--max-attempts", "2",
+                    str(17 * PAGE), "--max-model-len", "2048", "--max-attempts", "2",
                     "--metrics-port", "0", "--log-dir", str(tmp_path), "--",
                     "--max-model-len", "4096")
     try:
@@ -135,7 +136,7 @@ def test_fp8_kv_falls_back_and_is_remembered(tiny_model: Path, tmp_path: Path):
     cache = tmp_path / "cache"
     env = {"VLAUNCH_CACHE_DIR": str(cache)}
     proc = _vlaunch("serve", str(tiny_model), "--gpus", "cpu", "--kv-cache-dtype", "fp8",
-                    "--kv-cache-memory-bytes", str(32 * PAGE), "--metrics-port", "0",
+                    "--kv-cache-memory-bytes", str(33 * PAGE), "--metrics-port", "0",
                     "--log-dir", str(tmp_path), env=env)
     try:
         base, text = _wait_for(proc, r"serving on (http://\S+)", timeout=900)

@@ -121,6 +121,8 @@ def plan_options(f):
         click.option("--kv-cache-memory-bytes", type=int,
                      help="Pin the KV cache size per GPU (vLLM then skips its profiling)."),
         click.option("--vllm-version", help="Plan for this vLLM version (default: installed)."),
+        click.option("--pin-kv-memory", is_flag=True,
+                     help="Pin the planned KV bytes with --kv-cache-memory-bytes (deterministic)."),
     ]
     for opt in reversed(opts):
         f = opt(f)

@@ -57,6 +57,7 @@ class Pins:
     kv_cache_memory_bytes: int | None = None
     vllm_version: str | None = None
     block_size: int | None = None
+    pin_kv_memory: bool = False
 
     def validate(self) -> None:
         for name in ("tp", "pp", "dp", "max_num_seqs", "max_num_batched_tokens"):
@@ -398,8 +399,13 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                          "pinned --tp/--pp/--dp")
     cands.sort(key=_rank, reverse=True)
     best = cands[0]
-    plan = Plan(spec, hw, best, version, chunked, hw.is_cpu or bool(pins.kv_cache_memory_bytes),
-                reasons, warnings, alternatives=cands[1:6])
+    pinned = hw.is_cpu or bool(pins.kv_cache_memory_bytes) or (pins.pin_kv_memory and best.fits)
+    plan = Plan(spec, hw, best, version, chunked, pinned, reasons, warnings,
+                alternatives=cands[1:6])
+    if pins.pin_kv_memory and not hw.is_cpu:
+        warnings.append("--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "
+                        "memory profiling; only the plan's margins for activations, graphs and "
+                        "non-torch memory protect the start-up")
     _explain(plan, cands, pins)
     if suggest and not best.fits:
         plan.suggestions = suggestions(spec, hw, pins)

@@ -137,3 +137,11 @@ def test_plan_path_stays_light():
             "print('HEAVY', heavy, file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in r.stderr, r.stderr
+
+
+def test_pin_kv_memory_passes_the_planned_bytes():
+    p = plan("deepseek-v3", "8xH200", pin_kv_memory=True)
+    args = p.vllm_args()
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(p.chosen.kv_memory)
+    assert "--gpu-memory-utilization" not in args
+    assert any("pin-kv-memory" in w for w in p.warnings)

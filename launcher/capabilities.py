@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -154,8 +152,6 @@ def record_lesson(key: str, supported: bool, reason: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = lessons()
     data[key] = {"supported": supported, "reason": reason}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".capabilities.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-    return path
+    from .emit import atomic_write
+
+    return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

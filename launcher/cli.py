@@ -154,14 +154,9 @@ def format_plan(d: dict, fmt: str) -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    import os
-    import tempfile
+    from .emit import atomic_write
 
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".vlaunch.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, text if text.endswith("\n") else text + "\n")
 
 
 @cli.command("plan")

@@ -98,7 +98,7 @@ def _stream_completion(base: str, prompt: str, max_tokens: int) -> None:
                        "stream": True, "ignore_eos": True, "temperature": 0.0}).encode()
     req = urllib.request.Request(f"{base}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with urllib.request.urlopen(req, timeout=300) as r:
         for _ in r:  # consume the server-sent events as they arrive
             pass
 
@@ -174,12 +174,14 @@ def stack(request, tmp_path_factory):
 def loaded(stack):
     """Drive streaming completions so the KV cache holds tokens for several scrapes."""
     prompt = "The key value cache holds one latent vector per token per layer. " * 12
-    workers = [threading.Thread(target=_stream_completion, args=(stack["vllm"], prompt, 160))
-               for _ in range(8)]
+    # Long enough (16 streams x 600 tokens) that the cache stays occupied across several
+    # 1 s scrapes of Prometheus -> exporter -> vLLM.
+    workers = [threading.Thread(target=_stream_completion, args=(stack["vllm"], prompt, 600))
+               for _ in range(16)]
     for w in workers:
         w.start()
     for w in workers:
-        w.join(timeout=150)
+        w.join(timeout=300)
     time.sleep(3)  # a few more scrapes after the load, for rate() windows
     return stack
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +176,10 @@ class Plan:
             # vLLM 0.32 records its measured KV memory per model/hardware fingerprint and
             # reuses it on the next boot (the CPU worker does not implement it).
             env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
+            root = os.environ.get("VLLM_CACHE_ROOT") or (
+                os.path.join(os.environ["HF_HOME"], "vllm") if os.environ.get("HF_HOME") else "")
+            if root:  # keep vLLM's measurements next to the model cache (a PVC in Kubernetes)
+                env["VLLM_CACHE_ROOT"] = root
         return env
 
     def to_dict(self) -> dict[str, Any]:
@@ -300,6 +305,14 @@ def _kv_dtype(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
     return "auto"
 
 
+def reported_tokens(blocks: int, block: int, length: int) -> int:
+    """KV tokens as vLLM reports them: whole max-length requests' worth,
+    blocks / cdiv(len, block) x len (kv_cache_utils); blocks x block when len is a multiple."""
+    if not length or length % block == 0:
+        return blocks * block
+    return int(blocks / math.ceil(length / block) * length)
+
+
 def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, util: float,
              traits: VersionTraits, pins: Pins, chunked: bool) -> Candidate:
     """Run the budget model for one layout; the result says whether and how well it fits."""
@@ -349,10 +362,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     # vLLM keeps one block back (the null block): one request may use blocks - 1 of them.
     usable = max(0, blocks - 1) * block
     length = pins.max_model_len or min(full, usable)
-    # vLLM reports KV tokens as whole max-length requests' worth: blocks / cdiv(len, block) * len
-    # (kv_cache_utils); equal to blocks x block when the length is a multiple of the block.
-    per_request = math.ceil(length / block) if length else 1
-    tokens = int(blocks / per_request * length) if length % block else blocks * block
+    tokens = reported_tokens(blocks, block, length)
     problem = ""
     if min(avail) <= 0:
         short = -min(avail)
@@ -402,6 +412,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     pinned = hw.is_cpu or bool(pins.kv_cache_memory_bytes) or (pins.pin_kv_memory and best.fits)
     plan = Plan(spec, hw, best, version, chunked, pinned, reasons, warnings,
                 alternatives=cands[1:6])
+    if not pinned and best.fits:
+        _apply_measured(plan)
     if pins.pin_kv_memory and not hw.is_cpu:
         warnings.append("--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "
                         "memory profiling; only the plan's margins for activations, graphs and "
@@ -410,6 +422,29 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     if suggest and not best.fits:
         plan.suggestions = suggestions(spec, hw, pins)
     return plan
+
+
+def _apply_measured(plan: Plan) -> None:
+    """Use the KV memory vLLM measured on an earlier boot of exactly these decisions."""
+    from . import measured
+
+    row = measured.lookup(measured.plan_key(plan.to_dict()))
+    if row is None:
+        return
+    c = plan.chosen
+    page = c.block_size * c.kv_bytes_per_token
+    predicted = c.kv_memory
+    c.blocks = row["kv_cache_memory_bytes"] // page
+    c.kv_memory = c.blocks * page
+    c.tokens = reported_tokens(c.blocks, c.block_size, c.max_model_len)
+    if max(0, c.blocks - 1) * c.block_size < c.max_model_len:
+        c.fits = False
+        c.problem = (f"vLLM measured {c.kv_memory / GiB:.2f} GiB of KV cache at its last start "
+                     f"of this plan: fewer than {c.max_model_len:,} tokens")
+    plan.reasons.append(f"KV cache {c.kv_memory / GiB:.2f} GiB: measured by vLLM at an earlier "
+                        f"start of this exact plan ({row.get('source', 'startup plan')}, "
+                        f"{row.get('recorded_at', '?')}); the budget model alone predicted "
+                        f"{predicted / GiB:.2f} GiB")
 
 
 def _explain(plan: Plan, cands: list[Candidate], pins: Pins) -> None:

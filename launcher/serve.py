@@ -218,6 +218,9 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
             for line in lines:
                 say(line)
             result.actual = {"numbers": numbers, **actual.to_dict()}
+            learnt = learn_measured_kv(d, actual.allocation)
+            if learnt:
+                say(f"vlaunch: recorded vLLM's measured KV memory for the next plan ({learnt})")
             smoke = runner.smoke_test()
             if not smoke.ok:
                 kv = d["kv_cache"]["dtype"]
@@ -256,6 +259,19 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     if exporter:
         exporter.stop()
     return result
+
+
+def learn_measured_kv(d: dict[str, Any], alloc: vllmlog.Allocation) -> str | None:
+    """Record what vLLM measured (its startup-plan files) as ground truth for the next plan."""
+    from . import measured
+
+    if d["kv_cache"].get("pinned"):
+        return None
+    kv = measured.read_startup_plans(alloc.startup_plan_paths) or alloc.startup_plan_applied_bytes
+    if not kv:
+        return None
+    path = measured.record(d, kv, f"vLLM {d['vllm_version']} startup plan")
+    return f"{kv / GiB:.2f} GiB in {path}"
 
 
 def _drop_flag(args: list[str], name: str) -> list[str]:

@@ -95,9 +95,19 @@ class Allocation:
     chunked_prefill_max_batched_tokens: int | None = None
     chunked_prefill_disabled: bool = False
     node_memory_gib: float | None = None  # CPU: total memory of the NUMA node
+    startup_plan_paths: list[str] = field(default_factory=list)  # "Saved startup plan to ..."
+    startup_plan_applied_bytes: int | None = None  # "Applying persisted startup plan ..."
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
+
+
+# vLLM 0.32 (VLLM_ENABLE_STARTUP_PLAN=1, GPU workers): "Saved startup plan to
+# /root/.cache/vllm/startup_plan/startup_plan_0123456789abcdef.json" and "Applying persisted
+# startup plan (fingerprint 0123456789abcdef): kv_cache_memory_bytes=123 (...)".
+_PLAN_SAVED = re.compile(r"Saved startup plan to (\S+\.json)")
+_PLAN_APPLIED = re.compile(r"Applying persisted startup plan \(fingerprint \w+\): "
+                           r"kv_cache_memory_bytes=(\d+)")
 
 
 def _last(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
@@ -147,6 +157,9 @@ def parse_allocation(text: str) -> Allocation:
     if m := _last(_CHUNKED, text):
         a.chunked_prefill_max_batched_tokens = int(m.group(1))
     a.chunked_prefill_disabled = bool(_CHUNKED_OFF.search(text))
+    a.startup_plan_paths = sorted({m.group(1) for m in _PLAN_SAVED.finditer(text)})
+    applied = [int(m.group(1)) for m in _PLAN_APPLIED.finditer(text)]
+    a.startup_plan_applied_bytes = min(applied) if applied else None
     return a
 
 

@@ -1,0 +1,80 @@
+"""KV memory that vLLM measured on an earlier boot: ground truth for the next plan of that setup.
+
+vLLM 0.32 persists its measured KV-cache memory when `VLLM_ENABLE_STARTUP_PLAN=1`, one JSON
+file per worker under `VLLM_CACHE_ROOT/startup_plan/`, keyed by a fingerprint of its own
+config that only vLLM can compute (the GPU worker writes it; the CPU worker does not). After a
+successful start `vlaunch serve` reads the files vLLM's log names and records the smallest
+value (every rank gets the smallest block count) under vlaunch's own key: the plan's decisions.
+A later plan that makes the same decisions uses the measured bytes instead of the budget
+model's estimate, and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .paths import cache_dir
+
+_DECISIONS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs",
+              "max_num_batched_tokens", "enforce_eager", "vllm_version")
+
+
+def plan_key(d: dict[str, Any]) -> str:
+    """A digest of everything a measured KV size depends on, from a plan dict."""
+    m, g = d["model"], d["gpus"]
+    factors = {
+        "model": m.get("path") or m["hf_id"], "quantization": m.get("quantization"),
+        "gpu": [g["name"], g["count"], g["nodes"], g["total_bytes"]],
+        "parallel": {k: d["parallel"][k] for k in ("tp", "pp", "dp", "expert_parallel")},
+        "kv_dtype": d["kv_cache"]["dtype"], **{k: d.get(k) for k in _DECISIONS},
+    }
+    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _store() -> Path:
+    return cache_dir() / "measured.json"
+
+
+def _load() -> dict[str, Any]:
+    try:
+        data = json.loads(_store().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def lookup(key: str) -> dict[str, Any] | None:
+    """The recorded measurement for this plan key, if any."""
+    row = _load().get(key)
+    return row if isinstance(row, dict) and isinstance(row.get("kv_cache_memory_bytes"),
+                                                       int) else None
+
+
+def record(d: dict[str, Any], kv_bytes: int, source: str) -> Path:
+    """Remember vLLM's measured KV bytes for the plan `d` (atomically)."""
+    from .emit import atomic_write
+
+    data = _load()
+    data[plan_key(d)] = {"kv_cache_memory_bytes": int(kv_bytes), "source": source,
+                         "predicted_bytes": d["kv_cache"]["memory_bytes"],
+                         "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path = _store()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_startup_plans(paths: list[str]) -> int | None:
+    """The smallest `kv_cache_memory_bytes` in vLLM's startup-plan files (None if unreadable)."""
+    values = []
+    for p in paths:
+        try:
+            value = json.loads(Path(p).read_text()).get("kv_cache_memory_bytes")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(value, int) and value > 0:
+            values.append(value)
+    return min(values) if values else None

@@ -25,8 +25,9 @@ def _get(url: str, timeout: float = 5.0) -> str:
         return r.read().decode()
 
 
-def _complete(base: str, model: str, prompt: str) -> str:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 24}).encode()
+def _complete(base: str, model: str, prompt: str, max_tokens: int = 24) -> str:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "ignore_eos": True}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:  # noqa: S310 - loopback only
@@ -68,8 +69,24 @@ def main() -> int:
         proc.wait(60)
         return 1
     metrics = metrics.replace("0.0.0.0", "127.0.0.1")
+    print("demo: the weights are random, so the text is noise; the point is the loop")
     for prompt in ("DeepSeek-V3 on eight H200s", "The KV cache holds", "vlaunch plans"):
         print(f"demo: completion for {prompt!r}: {_complete(base, model.name, prompt)!r}")
+    print("demo: 16 concurrent 400-token requests; KV usage as vlaunch's exporter reports it:")
+    load = [threading.Thread(target=_complete, args=(base, model.name, "load " * 60, 400))
+            for _ in range(16)]
+    for t in load:
+        t.start()
+    peak = 0.0
+    while any(t.is_alive() for t in load):
+        for line in _get(metrics).splitlines():
+            if line.startswith("vlaunch_kv_cache_used_tokens"):
+                used = float(line.rsplit(" ", 1)[1])
+                if used > peak:
+                    peak = used
+                    print(f"    {line}")
+        time.sleep(0.5)
+    print(f"demo: peak KV tokens in use under load: {peak:,.0f}")
     print("demo: vlaunch gauges after the requests:")
     for line in _get(metrics).splitlines():
         if line.startswith(("vlaunch_kv_cache", "vlaunch_prediction_error", "vlaunch_engine_up")):
@@ -79,7 +96,7 @@ def main() -> int:
           "deploy/prometheus/alerts.yaml")
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(120)
-    print(f"demo: stopped vLLM with SIGTERM; vlaunch exited {rc}")
+    print(f"demo: stopped vLLM with SIGTERM; vlaunch exited {rc}, vLLM's own status")
     return 0
 
 

@@ -166,8 +166,10 @@ def _write_atomic(path: str, text: str) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")
 @click.option("--emit", "emit_dir", type=click.Path(file_okay=False),
               help="Write plan.json, vllm-args and vllm.env into DIR (init-container mode).")
+@click.option("--termination-log", default="/dev/termination-log", show_default=True,
+              help="With --emit: where a does-not-fit explanation goes (if the file exists).")
 def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
-             emit_dir: str | None, **pins) -> None:
+             emit_dir: str | None, termination_log: str, **pins) -> None:
     """Plan MODEL (a profile, an HF repo id of one, or a local model dir / config.json).
 
     Exit 0 when it fits, 3 when it does not, 2 for bad input.
@@ -183,7 +185,7 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
         from .emit import emit_plan, write_termination_message
 
         if not d["fits"]:
-            write_termination_message(format_plan(d, "text"))
+            write_termination_message(format_plan(d, "text"), termination_log)
         else:
             emit_plan(d, emit_dir)
     if not d["fits"]:

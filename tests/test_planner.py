@@ -145,3 +145,24 @@ def test_pin_kv_memory_passes_the_planned_bytes():
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(p.chosen.kv_memory)
     assert "--gpu-memory-utilization" not in args
     assert any("pin-kv-memory" in w for w in p.warnings)
+
+
+def test_emit_when_it_does_not_fit(tmp_path):
+    log = tmp_path / "termination-log"
+    log.write_text("")  # the kubelet creates the file; vlaunch only writes where it exists
+    out = tmp_path / "plan"
+    r = CliRunner().invoke(cli, ["plan", "deepseek-v3", "--gpus", "8xH100", "--emit", str(out),
+                                 "--termination-log", str(log)])
+    assert r.exit_code == 3
+    assert "DOES NOT FIT" in log.read_text() and "2x8xH100" in log.read_text()
+    assert not (out / "plan.json").exists()
+
+
+def test_emit_writes_the_handoff_files(tmp_path):
+    r = CliRunner().invoke(cli, ["plan", "deepseek-v3", "--gpus", "8xH200", "--emit",
+                                 str(tmp_path), "--format", "json"])
+    assert r.exit_code == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert (tmp_path / "vllm-args").read_text().split("\n")[:2] == ["--model",
+                                                                     plan["model"]["hf_id"]]
+    assert "VLLM_ENGINE_READY_TIMEOUT_S" in (tmp_path / "vllm.env").read_text()

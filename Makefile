@@ -39,7 +39,7 @@ unit: venv
 
 test: venv engine prometheus
 	$(BIN)/ruff check launcher tests
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -rs
 
 bench: venv
 	@for b in bench/*_bench.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

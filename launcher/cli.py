@@ -48,8 +48,9 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
                  cache_ttl: float) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from . import exporter
+    from .emit import load_plan
 
-    plan = exporter.load_plan(plan_path) if plan_path else None
+    plan = load_plan(plan_path) if plan_path else None
     exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl)
     exporter.run_forever(exp, port, bind, click.echo)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import http.client
 import importlib
-import json
 import math
 import re
 import signal
@@ -33,7 +32,6 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import generate_latest, start_http_server
@@ -145,22 +143,6 @@ def metrics_url(vllm_url: str) -> str:
             "pass the server's base URL, e.g. http://127.0.0.1:8000"
         )
     return url if url.endswith("/metrics") else url + "/metrics"
-
-
-def load_plan(path: str | Path) -> dict[str, Any]:
-    """Read a plan JSON file (`vlaunch plan --json` output); InputError if it is not one."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise InputError(f"plan file {str(p)!r} does not exist; pass a plan JSON file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"plan file {str(p)!r} is not readable JSON ({e}); "
-                         "pass the output of `vlaunch plan --json`") from None
-    if not isinstance(data, dict) or not isinstance(data.get("kv_cache", {}), dict):
-        raise InputError(f"plan file {str(p)!r} is not a vlaunch plan; "
-                         "pass the output of `vlaunch plan --json`")
-    return data
 
 
 # --- reading vLLM's page ----------------------------------------------------------------------

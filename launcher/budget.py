@@ -132,6 +132,15 @@ def weights_bytes(spec: ModelSpec, loaded_only: bool = True) -> int:
                      if t.loaded or not loaded_only))
 
 
+def checkpoint_scale(spec: ModelSpec) -> float:
+    """How the checkpoint's own byte total (model.safetensors.index.json, the ground truth)
+    compares with the bytes counted from config.json; 1.0 when there is no index."""
+    if not spec.checkpoint_bytes:
+        return 1.0
+    counted = weights_bytes(spec, loaded_only=False)
+    return spec.checkpoint_bytes / counted if counted else 1.0
+
+
 def shard_fraction(t: Tensor, layout: Layout, vocab: int) -> float:
     """Fraction of a tensor group one rank holds under TP / DP+EP."""
     tp, ep = layout.tp, layout.tp * layout.dp

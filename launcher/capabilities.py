@@ -111,6 +111,14 @@ def fp8_kv_support(hw: Hardware, attention: str, vllm_version: str) -> tuple[boo
     return False, "no capability row says fp8 KV works here"
 
 
+def attention_support(hw: Hardware, attention: str) -> tuple[bool, str]:
+    """(runs, reason) for this attention type on this hardware."""
+    for row in table().get("attention_support", ()):
+        if _matches(row, hw, attention):
+            return bool(row["supported"]), row["reason"]
+    return True, ""
+
+
 def block_size(hw: Hardware, attention: str, kv_dtype: str) -> tuple[int, str]:
     for row in table()["block_size"]:
         if _matches(row, hw, attention, kv_dtype):

@@ -26,6 +26,11 @@ class _Group(click.Group):
         except NotFitError as e:
             click.echo(f"vlaunch: {e}", err=True)
             ctx.exit(e.exit_code)
+        except OSError as e:  # a path the user gave that cannot be read or written
+            where = f" {e.filename}" if e.filename else ""
+            click.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the path "
+                       "and its permissions", err=True)
+            ctx.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -293,14 +298,19 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
     d = load_plan(plan_path)
     nodes = int(d["parallel"].get("nodes", 1))
     if nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
+        from pathlib import Path
+
         from .multinode import build_launch
+        from .serve import run_node
 
         launch = build_launch(d, role=role)
-        import subprocess
-
-        for pre in launch.pre_commands:
-            subprocess.run(pre, check=True)
-        os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+        log_dir = Path(opts["log_dir"])
+        log_dir.mkdir(parents=True, exist_ok=True)
+        sys.exit(run_node(launch, d, port=opts["port"],
+                          metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
+                          metrics_bind=opts["metrics_bind"], log_dir=log_dir,
+                          dry_run=opts["dry_run"], verbose=opts["verbose"],
+                          startup_timeout=opts["startup_timeout"], out=click.echo))
     spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
     g = d["gpus"]
     hw = parse_gpus("cpu" if g["platform"] == "cpu" else
@@ -317,6 +327,7 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
                  kv_cache_memory_bytes=kv["memory_bytes"] if kv.get("pinned") else None,
                  max_num_seqs=d["max_num_seqs"],
                  max_num_batched_tokens=d["max_num_batched_tokens"],
+                 enforce_eager=bool(d.get("enforce_eager")),
                  vllm_version=d.get("vllm_version"))
     _run_serve(spec, hw, pins, extra, opts)
 

@@ -401,6 +401,10 @@ class Exporter:
         """Count an engine restart that the caller (the runner) performed."""
         with self._lock:
             self._restarts += 1
+            # the new process's start time is this restart, not another one; and what the
+            # previous engine allocated no longer describes anything
+            self._last_start_time = None
+            self.actual = ActualNumbers()
 
     # -- HTTP server --
 

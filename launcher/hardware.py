@@ -138,6 +138,8 @@ def sized_kind(text: str) -> GPUKind:
     if not m:
         raise InputError(f"bad GPU size '{text}': use e.g. 24GiB, 80GB or 81559MiB")
     value, unit = float(m.group(1)), m.group(2)
+    if value <= 0:
+        raise InputError(f"bad GPU size '{text}': the memory must be more than 0")
     scale = {"GIB": GiB, "GB": 10**9, "MIB": MiB}[unit]
     return GPUKind(name=text, total_bytes=int(value * scale), compute_capability=None)
 

@@ -192,7 +192,8 @@ def build_launch(
     tp, pp, dp = (_int_field(parallel, k) for k in ("tp", "pp", "dp"))
     ep = bool(parallel.get("expert_parallel", False))
     nnodes = _int_field(parallel, "nodes", (plan.get("gpus") or {}).get("nodes", 1))
-    backend = plan.get("distributed_executor_backend") or "mp"
+    backend = (plan.get("distributed_executor_backend")
+               or parallel.get("distributed_executor_backend") or "mp")
     if backend not in BACKENDS:
         raise InputError(f"distributed_executor_backend={backend!r}; expected mp or ray")
     _check_plan_args(args, tp, pp, dp, ep)

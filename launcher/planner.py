@@ -18,6 +18,7 @@ from typing import Any
 from . import budget as B
 from .capabilities import (
     VersionTraits,
+    attention_support,
     batch_defaults,
     block_size,
     default_vllm_version,
@@ -136,6 +137,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     alternatives: list[Candidate] = field(default_factory=list)
+    enforce_eager: bool = False
 
     @property
     def fits(self) -> bool:
@@ -146,6 +148,9 @@ class Plan:
         return "mp"
 
     def vllm_args(self) -> list[str]:
+        """vLLM's arguments for this plan; empty when it does not fit (nothing to run)."""
+        if not self.fits:
+            return []
         c, L = self.chosen, self.chosen.layout
         args = ["--model", self.model.path or self.model.hf_id]
         if self.model.path:
@@ -166,6 +171,8 @@ class Plan:
                  "--max-num-batched-tokens", str(c.max_num_batched_tokens)]
         if self.chunked_prefill:
             args.append("--enable-chunked-prefill")
+        if self.enforce_eager and not self.hardware.is_cpu:
+            args.append("--enforce-eager")
         return args
 
     def env(self) -> dict[str, str]:
@@ -187,7 +194,8 @@ class Plan:
         return {
             "fits": self.fits,
             "model": {"name": m.name, "hf_id": m.hf_id, "architecture": m.architecture,
-                      "params": B.param_count(m), "weights_bytes": B.weights_bytes(m),
+                      "params": B.param_count(m),
+                      "weights_bytes": round(B.weights_bytes(m) * B.checkpoint_scale(m)),
                       "quantization": m.quant.method, "path": m.path,
                       "max_context": m.max_context, "attention": m.attention},
             "gpus": {"name": hw.kind.name, "count": hw.count, "nodes": hw.nodes,
@@ -203,7 +211,7 @@ class Plan:
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "enable_chunked_prefill": self.chunked_prefill,
-            "enforce_eager": c.cudagraph == 0 and not hw.is_cpu,
+            "enforce_eager": self.enforce_eager,
             "kv_cache": {"dtype": c.kv_dtype, "bytes_per_token": c.kv_bytes_per_token,
                          "block_size": c.block_size, "memory_bytes": c.kv_memory,
                          "tokens": c.tokens, "blocks": c.blocks, "pinned": self.kv_pinned},
@@ -218,6 +226,7 @@ class Plan:
             "warnings": self.warnings,
             "suggestions": self.suggestions,
             "alternatives": [a.summary() for a in self.alternatives],
+            "problem": c.problem or None,
         }
 
 
@@ -328,7 +337,8 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
         eb = B.kv_dtype_bytes(kv_dtype, spec.dtype_bytes)
         kvs = B.KVSpec("mla", math.ceil(latent / align) * align * eb)
     per_token = kvs.bytes_per_layer * max(len(r) for r in stages)
-    weights = B.stage_weight_bytes(spec, layout)
+    scale = B.checkpoint_scale(spec)
+    weights = [round(w * scale) for w in B.stage_weight_bytes(spec, layout)]
     full = spec.max_context
     target = pins.max_model_len or full
 
@@ -364,7 +374,10 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     length = pins.max_model_len or min(full, usable)
     tokens = reported_tokens(blocks, block, length)
     problem = ""
-    if min(avail) <= 0:
+    runs, why = attention_support(hw, spec.attention)
+    if not runs:
+        problem = why
+    elif min(avail) <= 0:
         short = -min(avail)
         problem = (f"weights {max(weights) / GiB:.1f} GiB + overhead "
                    f"{(activation + cudagraph + non_torch) / GiB:.1f} GiB exceed the "
@@ -399,6 +412,11 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
         raise InputError(f"--max-model-len {pins.max_model_len:,} exceeds {spec.name}'s context "
                          f"of {spec.max_context:,} tokens (vLLM refuses it without "
                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
+    scale = B.checkpoint_scale(spec)
+    if abs(scale - 1) > 0.01:
+        warnings.append(f"the checkpoint index holds {spec.checkpoint_bytes / GiB:.2f} GiB but "
+                        f"config.json counts {B.weights_bytes(spec, False) / GiB:.2f} GiB; "
+                        "weights are sized from the index (the ground truth)")
     util = _utilization(hw, pins, traits, warnings, reasons)
     kv_dtype = _kv_dtype(spec, hw, pins, version, reasons, warnings)
     chunked = not (hw.is_cpu and spec.attention.startswith("mla")) and traits.engine == "v1"
@@ -411,7 +429,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     best = cands[0]
     pinned = hw.is_cpu or bool(pins.kv_cache_memory_bytes) or (pins.pin_kv_memory and best.fits)
     plan = Plan(spec, hw, best, version, chunked, pinned, reasons, warnings,
-                alternatives=cands[1:6])
+                alternatives=cands[1:6], enforce_eager=pins.enforce_eager)
     if not pinned and best.fits:
         _apply_measured(plan)
     if pins.pin_kv_memory and not hw.is_cpu:
@@ -518,7 +536,8 @@ def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
                        f"({_brief(relaxed)})")
     if spec.quant.method in ("none", "fp8_block", "fp8_channel"):
         quant = Quant("int4_group", 4, 128)
-        q_spec = dataclasses.replace(spec, quant=quant, name=f"{spec.name}-awq")
+        q_spec = dataclasses.replace(spec, quant=quant, name=f"{spec.name}-awq",
+                                     checkpoint_bytes=None)
         plan = _try(q_spec, hw, free_pins)
         if plan:
             out.append(f"a quantized variant: an AWQ/GPTQ int4 checkpoint of {spec.name} "

@@ -51,6 +51,8 @@ def plan_text(d: dict[str, Any]) -> str:
                   f"  KV cache: {kv['tokens']:,} tokens per engine "
                   f"({kv['bytes_per_token']:,} B/token per GPU), max concurrency "
                   f"{d['max_concurrency']:.2f}x at {d['max_model_len']:,} tokens"]
+    if not d["fits"] and d.get("problem"):
+        lines.append(f"  why it does not fit: {d['problem']}")
     lines.append("  per GPU (limiting rank):")
     lines += ["    " + x for x in budget_bar(d["per_gpu"], g["total_bytes"])]
     lines.append(f"    vLLM may use {d['per_gpu']['requested_bytes'] / GiB:.2f} GiB "
@@ -60,8 +62,29 @@ def plan_text(d: dict[str, Any]) -> str:
         if d.get(key):
             lines.append(f"  {title}:")
             lines += [f"    - {x}" for x in d[key]]
-    if d["fits"]:
+    if d["fits"] and g["nodes"] > 1:
+        lines += ["  commands (one per node; vlaunch exec builds them from the LeaderWorkerSet "
+                  "environment):"] + _node_commands(d)
+    elif d["fits"]:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in d["env"].items())
         lines.append("  command:")
         lines.append(f"    {env} vllm serve " + " ".join(shlex.quote(a) for a in d["vllm_args"]))
     return "\n".join(lines)
+
+
+def _node_commands(d: dict[str, Any]) -> list[str]:
+    from .multinode import build_launch
+
+    out = []
+    nodes = d["gpus"]["nodes"]
+    for rank in (0, 1):
+        env = {"LWS_LEADER_ADDRESS": "LEADER_IP", "LWS_GROUP_SIZE": str(nodes),
+               "LWS_WORKER_INDEX": str(rank)}
+        launch = build_launch(d, env)
+        who = "leader (node 0)" if rank == 0 else (
+            "worker (node 1)" + ("; nodes 2 and up differ only in their rank" if nodes > 2 else ""))
+        out.append(f"    {who}:")
+        out += [f"      {shlex.join(pre)}" for pre in launch.pre_commands]
+        env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
+        out.append(f"      {env_text} {shlex.join(launch.argv)}")
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -150,6 +151,10 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     original = pins
     exporter = None
     say = (lambda s: None) if quiet else out  # noqa: E731
+    # One API port for every attempt, so the exporter (up from the start, showing
+    # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
+    user_port = _flag_value(extra, "--port")
+    api_port = int(user_port) if user_port else (port or _free_port())
     for number in range(1, max_attempts + 1):
         plan = make_plan(spec, hw, pins)
         if plan_hook:
@@ -163,8 +168,8 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
             result.exit_code = 3
             return result
         args, notes = merge_args(d["vllm_args"], extra)
-        if port and "--port" not in args:
-            args += ["--port", str(port)]
+        if "--port" not in args:
+            args += ["--port", str(api_port)]
         for n in notes:
             out(f"vlaunch: {n}")
         env = dict(d["env"])
@@ -191,6 +196,11 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
         runner = VllmRunner(args, env=env, log_path=log_path, on_phase=on_phase,
                             echo=prefixed_echo() if verbose else None,
                             startup_timeout=deadline)
+        if metrics_port is not None and exporter is None:
+            exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out)
+        elif exporter is not None:
+            exporter.plan = d
+            exporter.record_restart()
         say(f"vlaunch: attempt {number}/{max_attempts}: starting vLLM (log: {log_path})")
         with runner, runner.forward_signals():
             runner.start()
@@ -236,16 +246,13 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
                     pins = dataclasses.replace(pins, kv_cache_dtype="auto",
                                                max_model_len=original.max_model_len)
                     extra = _drop_flag(extra, "--kv-cache-dtype")
-                    if exporter:
-                        exporter.record_restart()
                     continue
                 break
             result.attempts.append(Attempt(number, args, "serving"))
             say(f"vlaunch: smoke request answered in {smoke.seconds:.2f}s; serving on "
                 f"{runner.base_url}")
-            if metrics_port is not None and exporter is None:
-                exporter = _start_exporter(runner.base_url, d, actual, metrics_port,
-                                           metrics_bind, out)
+            if exporter is not None:
+                _set_actual(exporter, actual)
             status = runner.wait()
             if runner.unexpected_exit:
                 out(f"vlaunch: vLLM exited unexpectedly with status {status}")
@@ -259,6 +266,55 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     if exporter:
         exporter.stop()
     return result
+
+
+def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: int | None,
+             metrics_bind: str, log_dir: Path, dry_run: bool, verbose: bool,
+             startup_timeout: float | None, out: Callable[[str], None] = print) -> int:
+    """One node of a multi-node plan (`launcher.multinode.NodeLaunch`), supervised.
+
+    The leader is watched like `serve` (ready, planned vs actual, exporter); a headless worker
+    only runs until vLLM exits. Re-planning is not attempted: the group must agree on one plan.
+    """
+    program = ["vllm", "serve"]
+    args = launch.argv[len(program):] if launch.argv[:2] == program else launch.argv
+    args = ["--model", args[0], *args[1:]] if args and not args[0].startswith("-") else args
+    if port and "--port" not in args:
+        args += ["--port", str(port)]
+    if dry_run:
+        for pre in launch.pre_commands:
+            out(shlex.join(pre))
+        out(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items())) + " "
+            + shlex.join(launch.argv))
+        return 0
+    for pre in launch.pre_commands:  # e.g. `ray start --head`; a failure is the node's failure
+        subprocess.run(pre, check=True)
+    deadline = startup_timeout or (STARTUP_SECONDS_BASE
+                                   + d["model"]["weights_bytes"] / STARTUP_BYTES_PER_SECOND)
+    runner = VllmRunner(args, env=launch.env, command=program,
+                        log_path=log_dir / f"vllm-{launch.role}{launch.node_rank}.log",
+                        echo=prefixed_echo() if verbose else None, startup_timeout=deadline,
+                        on_phase=lambda phase: out(f"  {launch.role}: {phase}"))
+    exporter = None
+    with runner, runner.forward_signals():
+        runner.start()
+        if launch.serves_api:
+            outcome = runner.wait_ready()
+            if not outcome.ready:
+                why = outcome.failure.message if outcome.failure else outcome.reason
+                out(f"vlaunch: {launch.role} failed to start: {why}")
+                return outcome.returncode or 1
+            actual = runner.read_actual()
+            for line in verification_table(d, actual)[0]:
+                out(line)
+            if metrics_port is not None:
+                exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out)
+                if exporter is not None:
+                    _set_actual(exporter, actual)
+        status = runner.wait()
+    if exporter:
+        exporter.stop()
+    return status if status is not None else 1
 
 
 def learn_measured_kv(d: dict[str, Any], alloc: vllmlog.Allocation) -> str | None:
@@ -290,7 +346,7 @@ def _drop_flag(args: list[str], name: str) -> list[str]:
     return out
 
 
-def _start_exporter(base_url: str, plan: dict[str, Any], actual: Any, port: int, bind: str,
+def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,
                     out: Callable[[str], None]):
     from .exporter import Exporter
 
@@ -300,10 +356,31 @@ def _start_exporter(base_url: str, plan: dict[str, Any], actual: Any, port: int,
     except Exception as e:  # a busy port must not take the engine down
         out(f"vlaunch: metrics exporter not started: {e}")
         return None
+    out(f"vlaunch: metrics on http://{bind}:{bound}/metrics (vLLM's own at {base_url}/metrics)")
+    sys.stdout.flush()
+    return exp
+
+
+def _set_actual(exp: Any, actual: Any) -> None:
+    """Hand the exporter what vLLM reported at start-up."""
     alloc = actual.allocation
     exp.set_actual(kv_tokens=actual.kv_cache_tokens, kv_memory_bytes=actual.kv_cache_memory_bytes,
                    weights_bytes=int(alloc.weights_gib * GiB) if alloc.weights_gib else None,
                    num_blocks=actual.num_blocks, block_size=actual.block_size)
-    out(f"vlaunch: metrics on http://{bind}:{bound}/metrics (vLLM's own at {base_url}/metrics)")
-    sys.stdout.flush()
-    return exp
+
+
+def _flag_value(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

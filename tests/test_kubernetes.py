@@ -316,3 +316,18 @@ def test_cpu_demo_generates_the_tiny_model_before_planning_it():
     mounts = [m["mountPath"] for m in gen["volumeMounts"]]
     assert any(model.startswith(m + "/") for m in mounts), "the model must land on the volume"
     assert GPU not in json.dumps(objs)
+
+
+def test_server_listens_on_the_ports_the_probes_and_monitors_use(overlay):
+    # `vlaunch exec` picks a free port unless told: the API must be on the probed containerPort
+    # and the exporter on the metrics port, bound beyond loopback.
+    name, objs = overlay
+    for where, template in _pod_templates(objs):
+        for c in template["spec"].get("containers", []):
+            args = c.get("args") or []
+            if "exec" not in args or "worker" in args:
+                continue
+            ports = {p["containerPort"] for p in c.get("ports", [])}
+            assert int(args[args.index("--port") + 1]) in ports, where
+            assert int(args[args.index("--metrics-port") + 1]) in ports, where
+            assert args[args.index("--metrics-bind") + 1] == "0.0.0.0", where

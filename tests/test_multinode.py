@@ -196,3 +196,19 @@ def test_lws_env_parsing():
     env = LwsEnv.from_environ(_lws(1, size=4))
     assert env == LwsEnv(leader_address=LEADER_DNS, group_size=4, worker_index=1)
     assert LwsEnv.from_environ({}) == LwsEnv()
+
+
+def test_real_plan_two_nodes_leader_and_worker():
+    # A plan straight from the planner (DeepSeek-R1 on 2x8xH100) becomes two node commands.
+    from launcher.hardware import parse_gpus
+    from launcher.model import load_model
+    from launcher.planner import Pins, make_plan
+
+    d = make_plan(load_model("deepseek-r1"), parse_gpus("2x8xH100"),
+                  Pins(vllm_version="0.32.0")).to_dict()
+    env = {"LWS_LEADER_ADDRESS": "10.0.0.1", "LWS_GROUP_SIZE": "2"}
+    leader = build_launch(d, {**env, "LWS_WORKER_INDEX": "0"})
+    worker = build_launch(d, {**env, "LWS_WORKER_INDEX": "1"})
+    assert leader.role == "leader" and worker.role == "worker"
+    assert "--headless" in worker.argv and "--headless" not in leader.argv
+    assert leader.serves_api and not worker.serves_api

@@ -61,7 +61,15 @@ def test_fp8_not_on_ampere_for_mla():
 
 
 def test_fp8_never_on_cpu_for_mla():
-    p = make_plan(load_model("deepseek-v2-lite"), parse_gpus("cpu"), V)
+    from launcher.model import spec_from_config
+
+    small = {"model_type": "deepseek_v3", "hidden_size": 256, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128,
+             "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+             "v_head_dim": 64, "intermediate_size": 512, "moe_intermediate_size": 128,
+             "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+             "first_k_dense_replace": 1, "vocab_size": 512, "max_position_embeddings": 4096}
+    p = make_plan(spec_from_config(small, name="small-mla"), parse_gpus("cpu"), V)
     assert p.chosen.kv_dtype == "auto"
     assert "--kv-cache-memory-bytes" in p.vllm_args()
 
@@ -166,3 +174,40 @@ def test_emit_writes_the_handoff_files(tmp_path):
     assert (tmp_path / "vllm-args").read_text().split("\n")[:2] == ["--model",
                                                                      plan["model"]["hf_id"]]
     assert "VLLM_ENGINE_READY_TIMEOUT_S" in (tmp_path / "vllm.env").read_text()
+
+
+def test_sparse_attention_needs_hopper():
+    # V3.2's FlashMLA-Sparse kernels need compute capability 9.0+: A100s are a misfit whatever
+    # their memory, and the suggestions do not offer more A100s.
+    p = plan("deepseek-v3.2", "2x8xA100-80GB")
+    assert not p.fits and "Hopper" in p.chosen.problem
+    assert not any("A100" in s for s in plan("deepseek-v3.2", "8xA100-80GB").suggestions)
+    assert plan("deepseek-v3.2", "8xH200").fits
+
+
+def test_enforce_eager_reaches_vllm():
+    p = plan("deepseek-v3", "8xH200", enforce_eager=True)
+    assert "--enforce-eager" in p.vllm_args() and p.to_dict()["enforce_eager"] is True
+    assert p.chosen.cudagraph == 0
+
+
+def test_misfit_has_no_command_and_says_by_how_much():
+    d = plan("deepseek-v3", "8xH100").to_dict()
+    assert d["vllm_args"] == [] and "exceed" in d["problem"] and "GiB" in d["problem"]
+
+
+def test_checkpoint_index_is_the_ground_truth_for_weights(tmp_path):
+    # A checkpoint whose index says twice what config.json implies (e.g. extra stored tensors):
+    # the plan sizes weights from the index and warns about the difference.
+    cfg = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 4,
+           "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 2048,
+           "vocab_size": 4096, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    counted = make_plan(load_model(str(tmp_path)), parse_gpus("1xL4"), V).to_dict()
+    index = {"metadata": {"total_size": 2 * counted["model"]["weights_bytes"]}, "weight_map": {}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    d = make_plan(load_model(str(tmp_path)), parse_gpus("1xL4"), V).to_dict()
+    assert d["model"]["weights_bytes"] == 2 * counted["model"]["weights_bytes"]
+    assert d["per_gpu"]["weights_bytes"] == pytest.approx(2 * counted["per_gpu"]["weights_bytes"],
+                                                          abs=2)
+    assert any("checkpoint index" in w for w in d["warnings"])

@@ -143,6 +143,10 @@ def test_fp8_kv_falls_back_and_is_remembered(tiny_model: Path, tmp_path: Path):
         assert "smoke request failed" in text, text[-3000:]
         assert "restarting with --kv-cache-dtype auto" in text
         assert base, text[-3000:]
+        # the exporter was up from the first attempt and counted the restart
+        metrics_url = re.search(r"metrics on (http://\S+/metrics)", text).group(1)
+        body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        assert re.search(r"^vlaunch_engine_restarts_total 1\.0$", body, re.M), body[:2000]
     finally:
         _stop(proc)
     lessons = json.loads((cache / "capabilities.json").read_text())

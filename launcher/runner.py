@@ -84,7 +84,7 @@ def vllm_command(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", API_SERVER_MODULE]
 
 
-def _arg_value(args: Sequence[str], name: str) -> str | None:
+def arg_value(args: Sequence[str], name: str) -> str | None:
     """Value of `--name X` or `--name=X` (last one wins, as argparse does)."""
     value = None
     for i, a in enumerate(args):
@@ -95,7 +95,7 @@ def _arg_value(args: Sequence[str], name: str) -> str | None:
     return value
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -209,15 +209,15 @@ class VllmRunner:
         http_timeout: float = 5.0,
     ) -> None:
         args = [str(a) for a in vllm_args]
-        model = _arg_value(args, "--model")
+        model = arg_value(args, "--model")
         if model is None:
             raise ValueError("vllm_args must contain --model")
-        if _arg_value(args, "--port") is None:
-            args += ["--port", str(_free_port(host))]
+        if arg_value(args, "--port") is None:
+            args += ["--port", str(free_port(host))]
         self.vllm_args = args
-        self.port = int(_arg_value(args, "--port") or 0)
+        self.port = int(arg_value(args, "--port") or 0)
         self.host = host
-        self.model_name = _arg_value(args, "--served-model-name") or model
+        self.model_name = arg_value(args, "--served-model-name") or model
         self.base_url = f"http://{host}:{self.port}"
         self.env = dict(env or {})
         self.program = list(command) if command is not None else vllm_command(python)

@@ -29,7 +29,7 @@ from .hardware import Hardware
 from .model import ModelSpec
 from .planner import Pins, Plan, make_plan
 from .render import plan_text
-from .runner import VllmRunner, prefixed_echo
+from .runner import VllmRunner, arg_value, free_port, prefixed_echo
 
 STARTUP_SECONDS_BASE = 300
 STARTUP_BYTES_PER_SECOND = 200 * (1 << 20)
@@ -153,8 +153,8 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     say = (lambda s: None) if quiet else out  # noqa: E731
     # One API port for every attempt, so the exporter (up from the start, showing
     # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
-    user_port = _flag_value(extra, "--port")
-    api_port = int(user_port) if user_port else (port or _free_port())
+    user_port = arg_value(extra, "--port")
+    api_port = int(user_port) if user_port else (port or free_port())
     for number in range(1, max_attempts + 1):
         plan = make_plan(spec, hw, pins)
         if plan_hook:
@@ -367,20 +367,3 @@ def _set_actual(exp: Any, actual: Any) -> None:
     exp.set_actual(kv_tokens=actual.kv_cache_tokens, kv_memory_bytes=actual.kv_cache_memory_bytes,
                    weights_bytes=int(alloc.weights_gib * GiB) if alloc.weights_gib else None,
                    num_blocks=actual.num_blocks, block_size=actual.block_size)
-
-
-def _flag_value(args: list[str], name: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

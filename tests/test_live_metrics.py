@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ import pytest
 import yaml
 from test_dashboard import dashboard_exprs, metric_names, substitute
 
+from launcher.runner import free_port
+
 pytestmark = [pytest.mark.engine, pytest.mark.prometheus]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,12 +35,6 @@ KV_BYTES = 256 * 1024 * 1024
 MAX_MODEL_LEN = 1024
 SERVED_NAME = "tiny-deepseek-v3"
 GPU_METRICS = {"vlaunch_gpu_memory_bytes"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -131,7 +126,7 @@ def stack(request, tmp_path_factory):
     model_dir = Path(request.getfixturevalue("tiny_model"))
     tmp = tmp_path_factory.mktemp("live")
     procs = _Procs()
-    vllm_port, exp_port, prom_port = _free_port(), _free_port(), _free_port()
+    vllm_port, exp_port, prom_port = free_port(), free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         # The engine and its exporter come up through `vlaunch serve`, as a user runs them.

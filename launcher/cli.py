@@ -132,15 +132,56 @@ def plan_options(f):
     ]
     for opt in reversed(opts):
         f = opt(f)
+    return workload_options(f)
+
+
+_WORKLOAD_KEYS = ("input_len", "output_len", "workload", "objective", "slo", "concurrency")
+
+
+def workload_options(f):
+    """What the deployment is for: lengths, SLO, objective. Without them the plan says it
+    assumed the chat preset and the default SLO."""
+    opts = [
+        click.option("--input-len", type=int, help="Mean prompt tokens per request."),
+        click.option("--output-len", type=int, help="Mean answer tokens per request."),
+        click.option("--workload", "workload",
+                     type=click.Choice(["chat", "rag", "reasoning", "agent", "batch"]),
+                     help="Preset lengths (chat: 1,024 in / 256 out; rag: 8,192 / 256; "
+                          "reasoning: 1,024 / 4,096; agent: 16,384 / 512; batch: 1,024 / "
+                          "1,024). Default: chat, and the plan says so."),
+        click.option("--objective", type=click.Choice(["balanced", "throughput", "latency"]),
+                     default="balanced", show_default=True,
+                     help="balanced: most output tok/s within the SLO, max-num-seqs capped at "
+                          "the knee; throughput: same ranking, no cap (overload buys tok/s); "
+                          "latency: lowest TPOT for one request."),
+        click.option("--slo", help="Per-request SLO, e.g. ttft=2s,tpot=50ms (s or ms). "
+                                   "Default: ttft=2s,tpot=50ms."),
+        click.option("--concurrency", type=int,
+                     help="Also predict the chosen layout at N requests in flight "
+                          "(vllm bench serve --max-concurrency N)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
     return f
+
+
+def split_goals(kw: dict) -> dict:
+    """Pop the workload options out of `kw` and turn them into make_plan's keywords."""
+    from .workload import parse_slo, resolve_workload
+
+    raw = {k: kw.pop(k, None) for k in _WORKLOAD_KEYS}
+    return {"workload": resolve_workload(raw["input_len"], raw["output_len"], raw["workload"]),
+            "objective": raw["objective"], "slo": parse_slo(raw["slo"]),
+            "concurrency": raw["concurrency"]}
 
 
 def build_plan(model: str, gpus: str | None, **pins):
     from .model import load_model
     from .planner import make_plan
 
+    goals = split_goals(pins)
     spec = load_model(model)
-    return make_plan(spec, _hardware(gpus), _pins(**pins))
+    return make_plan(spec, _hardware(gpus), _pins(**pins), **goals)
 
 
 def format_plan(d: dict, fmt: str) -> str:
@@ -242,7 +283,7 @@ def _serve_options(f):
     return f
 
 
-def _run_serve(spec, hw, pins, extra, opts) -> None:
+def _run_serve(spec, hw, pins, extra, opts, goals=None) -> None:
     from pathlib import Path
 
     from .serve import serve
@@ -254,7 +295,7 @@ def _run_serve(spec, hw, pins, extra, opts) -> None:
                    metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
-                   out=lambda s: click.echo(s))
+                   out=lambda s: click.echo(s), goals=goals)
     sys.exit(result.exit_code)
 
 
@@ -275,8 +316,9 @@ def serve_cmd(model: str, gpus: str | None, extra: tuple[str, ...], **kw) -> Non
     from .model import load_model
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
+    goals = split_goals(kw)
     spec = load_model(model)
-    _run_serve(spec, _hardware(gpus), _pins(**kw), extra, opts)
+    _run_serve(spec, _hardware(gpus), _pins(**kw), extra, opts, goals)
 
 
 @cli.command("exec")

@@ -34,6 +34,15 @@ class GPUKind:
     nvlink: bool = False
     nvml_names: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
+    hbm_gbps: float | None = None  # peak memory bandwidth, GB/s
+    bf16_tflops: float | None = None  # dense peak
+    fp8_tflops: float | None = None  # dense peak; None: no native FP8 math
+    nvlink_gbps: float | None = None  # per GPU, one direction; None: PCIe only
+    network_gbps: float | None = None  # scale-out per GPU, for multi-node layouts
+    datacenter: bool = False
+    price_usd_per_hour: float | None = None
+    price_source: str = ""
+    price_date: str = ""
 
     @property
     def cc(self) -> float | None:
@@ -92,10 +101,40 @@ def catalog() -> dict[str, GPUKind]:
             nvlink=bool(row.get("nvlink")),
             nvml_names=tuple(row.get("nvml_names") or ()),
             aliases=tuple(row.get("aliases") or ()),
+            **_perf_fields(row),
         )
         for key in (name, *kind.aliases):
             kinds[_key(key)] = kind
     return kinds
+
+
+def _perf_fields(row: dict) -> dict:
+    """The catalog's speed and price facts (absent for cards known only by size)."""
+    price = row.get("price") or {}
+    out: dict = {k: (float(row[k]) if row.get(k) is not None else None)
+                 for k in ("hbm_gbps", "bf16_tflops", "fp8_tflops", "nvlink_gbps",
+                           "network_gbps")}
+    out["datacenter"] = bool(row.get("datacenter"))
+    if price:
+        out["price_usd_per_hour"] = float(price["usd_per_hour"])
+        out["price_source"] = str(price.get("source", ""))
+        out["price_date"] = str(price.get("date", ""))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_engine_row() -> dict:
+    """The CPU engine's rough speed facts (profiles/gpus.yaml, cpu_engine)."""
+    data = yaml.safe_load((profiles_dir() / "gpus.yaml").read_text())
+    return dict(data.get("cpu_engine") or {})
+
+
+def kinds() -> list[GPUKind]:
+    """Each catalog GPU once, in file order."""
+    seen: dict[str, GPUKind] = {}
+    for kind in catalog().values():
+        seen.setdefault(kind.name, kind)
+    return list(seen.values())
 
 
 def _key(name: str) -> str:
@@ -161,7 +200,8 @@ def system_memory() -> tuple[int, int]:
 def cpu_hardware() -> Hardware:
     """The CPU engine: plans on system memory (vLLM's CPU backend sizes KV from RAM)."""
     total, free = system_memory()
-    kind = GPUKind(name="cpu", total_bytes=total, compute_capability=None, platform="cpu")
+    kind = GPUKind(name="cpu", total_bytes=total, compute_capability=None, platform="cpu",
+                   **_perf_fields(cpu_engine_row()))
     return Hardware(kind=kind, nodes=1, gpus_per_node=1, total_bytes=total, free_bytes=free,
                     source="system")
 

@@ -169,6 +169,8 @@ def _profiles() -> dict[str, Path]:
         index[path.stem.lower()] = path
         if head.get("hf_id"):
             index[str(head["hf_id"]).lower()] = path
+        for alias in head.get("aliases") or ():  # other repo ids of the same checkpoint
+            index[str(alias).lower()] = path
     return index
 
 

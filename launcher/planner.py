@@ -28,6 +28,8 @@ from .capabilities import (
 from .errors import InputError
 from .hardware import GiB, Hardware, MiB
 from .model import ModelSpec, Quant
+from .perfplan import FP8_MARGIN
+from .workload import SLO, Workload, check_objective, resolve_workload
 
 CUDA_CONTEXT_BYTES = 600 * MiB
 """Memory the vLLM process itself takes (CUDA context, NCCL init) before it checks that free
@@ -138,6 +140,11 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)
     alternatives: list[Candidate] = field(default_factory=list)
     enforce_eager: bool = False
+    performance: Any = None  # perfplan.Assessment of the chosen candidate
+    assessments: dict[int, Any] = field(default_factory=dict)  # id(candidate) -> Assessment
+    objective: str = "balanced"
+    workload: Workload | None = None
+    slo: SLO | None = None
 
     @property
     def fits(self) -> bool:
@@ -225,9 +232,34 @@ class Plan:
             "reasons": self.reasons,
             "warnings": self.warnings,
             "suggestions": self.suggestions,
-            "alternatives": [a.summary() for a in self.alternatives],
+            "alternatives": [self._alternative(a) for a in self.alternatives],
+            "performance": self._performance(self.performance),
             "problem": c.problem or None,
         }
+
+    def _performance(self, a: Any) -> dict[str, Any] | None:
+        from .perfplan import performance_dict
+
+        if self.workload is None or self.slo is None:
+            return None
+        return performance_dict(a, self.objective, self.workload, self.slo)
+
+    def _alternative(self, c: Candidate) -> dict[str, Any]:
+        """A runner-up with the figure it lost on."""
+        a = self.assessments.get(id(c))
+        L = c.layout
+        why = c.problem if not c.fits else self.why_not.get(id(c), "")
+        return {"label": c.label(),
+                "parallel": {"tp": L.tp, "pp": L.pp, "dp": L.dp,
+                             "expert_parallel": L.expert_parallel, "nodes": L.nodes},
+                "kv_cache": {"dtype": c.kv_dtype, "tokens": c.tokens},
+                "max_concurrency": round(c.concurrency, 2), "fits": c.fits,
+                "performance": self._performance(a) if a else None,
+                "summary": c.summary(), "why_not": why}
+
+    @property
+    def why_not(self) -> dict[int, str]:
+        return getattr(self, "_why_not", {})
 
 
 # ----------------------------------------------------------------------------- search
@@ -394,16 +426,48 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
 
 
 def _rank(c: Candidate) -> tuple:
-    """Objective: fits; then context; then concurrent sequences; then fewer stages and nodes."""
+    """Memory objective: fits; then context; then concurrent sequences; then fewer stages."""
     return (c.fits, c.max_model_len if c.fits else -c.weights, round(c.concurrency, 1),
             -c.layout.pp, -c.layout.dp, c.layout.tp)
 
 
+def _speed_rank(c: Candidate, a: Any, objective: str, gpus: int) -> tuple:
+    """Fits and context first (a plan never trades the target context for speed), then the
+    objective's figure from the performance model, then the memory ranking."""
+    score = a.score(objective, gpus) if a is not None else float("-inf")
+    return (c.fits, c.max_model_len if c.fits else -c.weights, score, *_rank(c)[2:])
+
+
+def _kv_choices(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
+                reasons: list[str], warnings: list[str]) -> tuple[list[str], str]:
+    """KV dtypes worth evaluating, and why fp8 is or is not among them."""
+    supported, why = fp8_kv_support(hw, spec.attention, version)
+    if pins.kv_cache_dtype:
+        reasons.append(f"kv-cache-dtype {pins.kv_cache_dtype}: pinned by you")
+        if pins.kv_cache_dtype.startswith("fp8") and not supported:
+            warnings.append(f"fp8 KV is not supported here: {why}")
+        return [pins.kv_cache_dtype], why
+    if supported:
+        return ["auto", "fp8"], why
+    reasons.append(f"kv-cache-dtype auto ({spec.dtype}): fp8 not chosen because {why}")
+    return ["auto"], why
+
+
 def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
-              suggest: bool = True) -> Plan:
-    """Plan a deployment of `spec` on `hw` honouring `pins`; never raises for a misfit."""
+              suggest: bool = True, *, workload: Workload | None = None,
+              objective: str | None = None, slo: SLO | None = None,
+              concurrency: int | None = None) -> Plan:
+    """Plan a deployment of `spec` on `hw` honouring `pins`, for `workload` under `slo`, ranked
+    by `objective`; never raises for a misfit."""
+    from . import perfplan
+
     pins = pins or Pins()
     pins.validate()
+    workload = workload or resolve_workload()
+    objective = check_objective(objective)
+    slo = slo or SLO()
+    if concurrency is not None and concurrency < 1:
+        raise InputError(f"--concurrency must be a positive integer, got {concurrency}")
     version = pins.vllm_version or default_vllm_version()
     traits = version_traits(version)
     reasons: list[str] = []
@@ -418,18 +482,35 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                         f"config.json counts {B.weights_bytes(spec, False) / GiB:.2f} GiB; "
                         "weights are sized from the index (the ground truth)")
     util = _utilization(hw, pins, traits, warnings, reasons)
-    kv_dtype = _kv_dtype(spec, hw, pins, version, reasons, warnings)
+    dtypes, fp8_why = _kv_choices(spec, hw, pins, version, reasons, warnings)
     chunked = not (hw.is_cpu and spec.attention.startswith("mla")) and traits.engine == "v1"
-    cands = [evaluate(spec, hw, L, kv_dtype, util, traits, pins, chunked)
-             for L in layouts(spec, hw, pins)]
-    if not cands:
-        raise InputError(f"no parallel layout of {spec.name} matches {hw.describe()} with the "
-                         "pinned --tp/--pp/--dp")
-    cands.sort(key=_rank, reverse=True)
+    gpus = hw.count
+    assessed: dict[int, Any] = {}
+    best_by_dtype: dict[str, list[Candidate]] = {}
+    for dtype in dtypes:
+        cands = [evaluate(spec, hw, L, dtype, util, traits, pins, chunked)
+                 for L in layouts(spec, hw, pins)]
+        if not cands:
+            raise InputError(f"no parallel layout of {spec.name} matches {hw.describe()} with "
+                             "the pinned --tp/--pp/--dp")
+        for c in cands:
+            assessed[id(c)] = perfplan.assess(spec, hw, c, traits, chunked, workload, slo,
+                                              concurrency)
+        cands.sort(key=lambda c: _speed_rank(c, assessed[id(c)], objective, gpus), reverse=True)
+        best_by_dtype[dtype] = cands
+    kv_dtype = _decide_kv(best_by_dtype, assessed, objective, gpus, fp8_why, reasons, warnings,
+                          pinned=bool(pins.kv_cache_dtype))
+    cands = best_by_dtype[kv_dtype]
     best = cands[0]
+    best = _tune_batch(spec, hw, best, assessed, traits, pins, chunked, util, workload, slo,
+                       objective, concurrency, reasons)
     pinned = hw.is_cpu or bool(pins.kv_cache_memory_bytes) or (pins.pin_kv_memory and best.fits)
     plan = Plan(spec, hw, best, version, chunked, pinned, reasons, warnings,
-                alternatives=cands[1:6], enforce_eager=pins.enforce_eager)
+                alternatives=cands[1:6], enforce_eager=pins.enforce_eager,
+                performance=assessed.get(id(best)), assessments=assessed, objective=objective,
+                workload=workload, slo=slo)
+    plan._why_not = {id(c): _why_not(c, assessed.get(id(c)), best, assessed.get(id(best)),
+                                     objective) for c in cands[1:6]}
     if not pinned and best.fits:
         _apply_measured(plan)
     if pins.pin_kv_memory and not hw.is_cpu:
@@ -437,9 +518,120 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                         "memory profiling; only the plan's margins for activations, graphs and "
                         "non-torch memory protect the start-up")
     _explain(plan, cands, pins)
+    _explain_speed(plan, cands, pins)
     if suggest and not best.fits:
         plan.suggestions = suggestions(spec, hw, pins)
     return plan
+
+
+def _decide_kv(by_dtype: dict[str, list[Candidate]], assessed: dict[int, Any], objective: str,
+               gpus: int, fp8_why: str, reasons: list[str], warnings: list[str],
+               pinned: bool) -> str:
+    """fp8 KV when bf16 cannot hold the target context, or when it raises the objective's
+    figure by FP8_MARGIN; otherwise auto, with the numbers."""
+    if pinned or len(by_dtype) == 1:
+        return next(iter(by_dtype))
+    auto, fp8 = by_dtype["auto"][0], by_dtype["fp8"][0]
+    a_auto, a_fp8 = assessed.get(id(auto)), assessed.get(id(fp8))
+    accuracy = ("fp8 KV without calibrated scales (k/v scale 1.0) can cost accuracy; "
+                "check your evals or pin --kv-cache-dtype auto")
+    if fp8.fits and (not auto.fits or fp8.max_model_len > auto.max_model_len):
+        reasons.append("kv-cache-dtype fp8: needed - bf16 KV holds "
+                       + (f"only {auto.max_model_len:,} tokens of context" if auto.fits
+                          else "no whole request") + f" ({fp8_why})")
+        warnings.append(accuracy)
+        return "fp8"
+    if a_auto is not None and a_fp8 is not None and auto.fits:
+        s_auto, s_fp8 = a_auto.score(objective, gpus), a_fp8.score(objective, gpus)
+        gain = (s_fp8 - s_auto) / abs(s_auto) if s_auto else 0.0
+        if gain >= FP8_MARGIN:
+            reasons.append(f"kv-cache-dtype fp8: {a_fp8.figure(objective)} vs "
+                           f"{a_auto.figure(objective)} with bf16 ({gain:+.0%}, over the "
+                           f"{FP8_MARGIN:.0%} margin)")
+            warnings.append(accuracy)
+            return "fp8"
+        reasons.append(f"kv-cache-dtype auto: bf16 KV already holds the workload; fp8 would "
+                       f"change the objective's figure by {gain:+.0%} (under the "
+                       f"{FP8_MARGIN:.0%} margin that would justify its accuracy risk)")
+        return "auto"
+    reasons.append("kv-cache-dtype auto: bf16 KV holds the context; no speed figure to "
+                   "justify fp8 on this GPU")
+    return "auto"
+
+
+def _tune_batch(spec: ModelSpec, hw: Hardware, best: Candidate, assessed: dict[int, Any],
+                traits: VersionTraits, pins: Pins, chunked: bool, util: float,
+                workload: Workload, slo: SLO, objective: str, concurrency: int | None,
+                reasons: list[str]) -> Candidate:
+    """max_num_seqs from the SLO knee, max_num_batched_tokens from the prefill/decode
+    trade-off; re-checked by the budget model (both change the activation profile)."""
+    from . import perfplan
+
+    a = assessed.get(id(best))
+    if a is None or not best.fits or hw.is_cpu:
+        return best
+    seqs = pins.max_num_seqs
+    notes = []
+    if seqs is None and objective in ("balanced", "latency"):
+        k = perfplan.knee_seqs(a)
+        if k is not None and k < best.max_num_seqs:
+            over = perf_point_note(a, best.max_num_seqs, workload)
+            seqs = k
+            notes.append(f"max-num-seqs {k:,} per engine: the SLO knee ({slo.describe()} holds "
+                         f"up to {a.knee.concurrency:,.0f} in flight); vLLM's "
+                         f"{best.max_num_seqs:,} would let {over}")
+    tokens = pins.max_num_batched_tokens
+    if tokens is None and chunked:
+        tokens, why = perfplan.choose_chunk(a, slo, best.max_num_batched_tokens)
+        notes.append(why)
+    if seqs is None and (tokens is None or tokens == best.max_num_batched_tokens):
+        reasons.extend(notes)
+        return best
+    tuned_pins = dataclasses.replace(pins, max_num_seqs=seqs or pins.max_num_seqs,
+                                     max_num_batched_tokens=tokens or pins.max_num_batched_tokens)
+    tuned = evaluate(spec, hw, best.layout, best.kv_dtype, util, traits, tuned_pins, chunked)
+    if not tuned.fits or tuned.max_model_len < best.max_model_len:
+        return best
+    ta = perfplan.assess(spec, hw, tuned, traits, chunked, workload, slo, concurrency)
+    if ta is not None and seqs != pins.max_num_seqs:
+        ta.binding = a.binding  # the cap sits at the knee: what bound it still binds
+    assessed[id(tuned)] = ta
+    reasons.extend(notes)
+    return tuned
+
+
+def perf_point_note(a: Any, seqs: int, workload: Workload) -> str:
+    """What vLLM's own limit would do to latency when that many requests arrive."""
+    from . import perf
+
+    n = seqs * a.shape.dp
+    p = perf.point(a.shape, workload, n)
+    return f"TPOT reach {p.tpot_ms:.0f} ms and TTFT {p.ttft_ms:,.0f} ms at {n:,} in flight"
+
+
+def _why_not(c: Candidate, a: Any, best: Candidate, a_best: Any, objective: str) -> str:
+    if not c.fits:
+        return c.problem
+    if c.max_model_len < best.max_model_len:
+        return f"holds only {c.max_model_len:,} tokens of context"
+    if a is None or a_best is None:
+        return f"fewer concurrent sequences ({c.concurrency:.1f})"
+    return f"{a.figure(objective)} vs {a_best.figure(objective)}"
+
+
+def _explain_speed(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
+    a, w = plan.performance, plan.workload
+    r = plan.reasons
+    if w is not None:
+        r.insert(0, f"workload: {w.describe()}; objective {plan.objective}; SLO "
+                 f"{plan.slo.describe() if plan.slo else '-'}")
+    if a is None:
+        if plan.fits:
+            r.append("no performance prediction: the GPU catalog has no bandwidth/FLOPS for "
+                     f"{plan.hardware.kind.name}; layouts ranked by memory alone")
+        return
+    r.insert(1, f"predicted ({a.source}): {a.figure(plan.objective)}; binding: {a.binding}")
+    r.extend(a.notes)
 
 
 def _apply_measured(plan: Plan) -> None:
@@ -472,7 +664,8 @@ def _explain(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
         r.insert(0, f"layout {c.label()}: {c.summary().split(': ', 1)[1]}"
                  + (" (pinned)" if pins.tp or pins.pp or pins.dp else ""))
         for other in cands[1:4]:
-            r.append(f"not {other.summary()}")
+            why = plan.why_not.get(id(other), "")
+            r.append(f"not {other.label()}: {why}" if why else f"not {other.summary()}")
     if pins.max_model_len:
         r.append(f"max-model-len {c.max_model_len:,}: pinned by you")
     elif c.fits and c.max_model_len == spec.max_context:
@@ -481,8 +674,9 @@ def _explain(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
         r.append(f"max-model-len {c.max_model_len:,}: the largest that fits (full context "
                  f"{spec.max_context:,} does not)")
     if plan.chunked_prefill:
-        r.append(f"chunked prefill on with max-num-batched-tokens {c.max_num_batched_tokens:,} "
-                 f"and max-num-seqs {c.max_num_seqs:,}: vLLM's defaults for this GPU class")
+        r.append(f"chunked prefill on (max-num-batched-tokens {c.max_num_batched_tokens:,}, "
+                 f"max-num-seqs {c.max_num_seqs:,}): prompts ride in decode steps instead of "
+                 "stalling them")
     else:
         r.append(f"chunked prefill off: vLLM turns it off for MLA on the {plan.hardware.kind.name}"
                  " platform")

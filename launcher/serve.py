@@ -142,6 +142,7 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           max_attempts: int = 3, quiet: bool = False, verbose: bool = False,
           dry_run: bool = False, metrics_port: int | None = 9400,
           metrics_bind: str = "127.0.0.1", log_dir: Path | None = None,
+          goals: dict[str, Any] | None = None,
           startup_timeout: float | None = None, port: int | None = None,
           out: Callable[[str], None] = print,
           plan_hook: Callable[[Plan], Plan] | None = None) -> ServeResult:
@@ -156,7 +157,7 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     user_port = arg_value(extra, "--port")
     api_port = int(user_port) if user_port else (port or free_port())
     for number in range(1, max_attempts + 1):
-        plan = make_plan(spec, hw, pins)
+        plan = make_plan(spec, hw, pins, **(goals or {}))
         if plan_hook:
             plan = plan_hook(plan)
         d = plan.to_dict()

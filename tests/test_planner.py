@@ -21,12 +21,24 @@ def plan(model, gpus, **pins):
     return make_plan(load_model(model), parse_gpus(gpus), Pins(vllm_version="0.32.0", **pins))
 
 
-def test_v3_fits_8xh200_full_context_fp8():
+def test_v3_fits_8xh200_full_context_bf16_kv_when_it_holds_the_workload():
+    # bf16 KV already holds the full context and the chat workload's knee: fp8 would not
+    # raise the figure by the margin, so the plan keeps auto and says why.
     p = plan("deepseek-v3", "8xH200")
     assert p.fits
     assert p.chosen.max_model_len == 163_840
-    assert p.chosen.kv_dtype == "fp8"
+    assert p.chosen.kv_dtype == "auto"
+    assert any("kv-cache-dtype auto: bf16 KV already holds" in r for r in p.reasons)
     assert p.chosen.concurrency >= 1
+
+
+def test_fp8_kv_when_bf16_cannot_hold_the_context():
+    # 70B on 2xH100: ~66 GiB of weights per GPU leave ~5 GiB of KV; bf16 (160 KiB/token at
+    # TP2) holds about half the context fp8 holds, so fp8 is needed, with the accuracy caveat.
+    p = plan("llama-3.1-70b", "2xH100")
+    assert p.fits and p.chosen.kv_dtype == "fp8"
+    assert any("fp8: needed" in r for r in p.reasons)
+    assert any("accuracy" in w for w in p.warnings)
 
 
 def test_v3_does_not_fit_8xh100_and_says_what_would():

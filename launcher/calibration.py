@@ -1,0 +1,93 @@
+"""What `vlaunch tune` measured, kept so later plans predict from it.
+
+One record per engine configuration: model, GPU, count, layout, KV dtype and vLLM version (the
+key), the measured points (concurrency, lengths, output tokens/s, TPOT, TTFT) and the
+performance model's fixed and roofline scales refitted to them at record time. A plan for the
+same key says `source: measured`; a plan for another layout of the same model on the same
+hardware and vLLM version borrows the scales (the engine's software overheads carry over, the
+shapes are recomputed). Stored beside the capability lessons, written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .emit import atomic_write
+from .paths import cache_dir
+
+
+def _store() -> Path:
+    return cache_dir() / "calibration.json"
+
+
+def _load() -> dict[str, Any]:
+    try:
+        data = json.loads(_store().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def family(model: str, gpu: str, vllm_version: str) -> str:
+    """What a calibration carries over within: one model on one GPU kind and vLLM release."""
+    return f"{model}|{gpu}|{vllm_version}"
+
+
+def key(model: str, gpu: str, count: int, tp: int, pp: int, dp: int, ep: bool, kv_dtype: str,
+        vllm_version: str) -> str:
+    return (f"{family(model, gpu, vllm_version)}|{count}|tp{tp}pp{pp}dp{dp}"
+            f"{'ep' if ep else ''}|{kv_dtype}")
+
+
+def plan_key(d: dict[str, Any]) -> str:
+    p, g = d["parallel"], d["gpus"]
+    return key(d["model"]["name"], g["name"], int(g["count"]), p["tp"], p["pp"], p["dp"],
+               bool(p["expert_parallel"]), d["kv_cache"]["dtype"], d["vllm_version"])
+
+
+def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path:
+    """Add measured points for the engine of plan `d`, refit its scales, save atomically."""
+    from . import perf
+    from .planner import shape_from_plan
+
+    data = _load()
+    k = plan_key(d)
+    entry = data.get(k) or {"points": []}
+    entry["points"] = _merge(entry["points"], points)
+    entry.update(family=family(d["model"]["name"], d["gpus"]["name"], d["vllm_version"]),
+                 source=source, recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    shape = shape_from_plan(d)
+    cal = perf.calibrate(shape, entry["points"]) if shape else None
+    if cal:
+        entry.update(fixed_scale=cal.fixed_scale, roofline_scale=cal.roofline_scale,
+                     median_error=cal.median_error)
+    data[k] = entry
+    return atomic_write(_store(), json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Newer points replace older ones at the same concurrency and lengths."""
+    def ident(p: dict[str, Any]) -> tuple:
+        return (p.get("concurrency"), p.get("input_len"), p.get("output_len"))
+
+    merged = {ident(p): p for p in old}
+    merged.update({ident(p): p for p in new})
+    return sorted(merged.values(), key=lambda p: (p.get("concurrency") or 0))
+
+
+def lookup(k: str) -> dict[str, Any] | None:
+    """The record of exactly this engine, if any."""
+    entry = _load().get(k)
+    return entry if isinstance(entry, dict) and entry.get("fixed_scale") else None
+
+
+def lookup_family(fam: str) -> tuple[str, dict[str, Any]] | None:
+    """Some record of the same model, GPU and vLLM release (the most recent), if any."""
+    hits = [(k, v) for k, v in _load().items()
+            if isinstance(v, dict) and v.get("family") == fam and v.get("fixed_scale")]
+    if not hits:
+        return None
+    return max(hits, key=lambda kv: kv[1].get("recorded_at", ""))

@@ -1,0 +1,176 @@
+"""Decisions by speed: the performance model applied to the planner's candidates.
+
+The budget model says which layouts fit; this module says how fast each one serves the workload
+and ranks them by the user's objective:
+
+- balanced (default): the most output tokens/s at the SLO knee (per GPU: the same GPUs here),
+  and max_num_seqs capped at the knee so overload queues instead of breaking the SLO;
+- throughput: the same ranking, max_num_seqs left at vLLM's limit (overload raises tokens/s
+  and latency together - for batch work);
+- latency: the lowest TPOT for a single request, ties to throughput.
+
+It also picks max_num_batched_tokens (the largest chunk whose mixed step still meets the TPOT
+SLO) and reads calibrations that `vlaunch tune` recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import calibration, perf
+from .hardware import Hardware
+from .model import ModelSpec
+from .workload import SLO, Workload
+
+FP8_MARGIN = 0.10
+"""fp8 KV is chosen for speed only when it raises the objective's figure by at least this much:
+it halves KV bytes but, without calibrated scales, can cost accuracy."""
+
+CHUNK_CHOICES = (2048, 4096, 8192, 16384)
+
+
+@dataclass
+class Assessment:
+    """One candidate's predicted service: its knee under the SLO and its curve."""
+
+    shape: perf.EngineShape
+    knee: perf.Point | None
+    at: perf.Point
+    curve: list[perf.Point]
+    binding: str
+    single: perf.Point  # one request alone: the latency objective's figure
+    source: str = "model"
+    notes: list[str] = field(default_factory=list)
+
+    def score(self, objective: str, gpus: int) -> float:
+        """Higher is better."""
+        if objective == "latency":
+            return -self.single.tpot_ms
+        if self.knee is None:  # the SLO is out of reach: closer is better, below any that meet
+            return -1e9 - self.single.tpot_ms
+        return self.knee.output_tokens_per_s / gpus
+
+    def figure(self, objective: str) -> str:
+        """The number that decided, in words."""
+        if objective == "latency":
+            return f"TPOT {self.single.tpot_ms:.1f} ms for one request"
+        if self.knee is None:
+            return f"misses the SLO even alone (TPOT {self.single.tpot_ms:.1f} ms)"
+        k = self.knee
+        return (f"{k.output_tokens_per_s:,.0f} output tok/s at {k.concurrency:,.0f} concurrent "
+                f"within the SLO (TPOT {k.tpot_ms:.1f} ms, TTFT {k.ttft_ms:,.0f} ms)")
+
+
+def gemm_scale(spec: ModelSpec, traits: Any) -> float:
+    return traits.block_fp8_gemm_scale if spec.quant.method == "fp8_block" else 1.0
+
+
+def _constants_for(spec: ModelSpec, hw: Hardware, cand: Any, version: str
+                   ) -> tuple[perf.Constants, str, list[str]]:
+    """The model's constants, or those refitted from `vlaunch tune`'s measurements."""
+    k = calibration.key(spec.name, hw.kind.name, hw.count, cand.layout.tp, cand.layout.pp,
+                        cand.layout.dp, cand.layout.expert_parallel, cand.kv_dtype, version)
+    entry = calibration.lookup(k)
+    source = "measured"
+    if entry is None:
+        hit = calibration.lookup_family(calibration.family(spec.name, hw.kind.name, version))
+        if hit is None:
+            return perf.DEFAULT, "model", []
+        entry, source = hit[1], "model"
+    cal = perf.Calibration(entry["fixed_scale"], entry["roofline_scale"],
+                           len(entry.get("points", [])), entry.get("median_error", 0.0))
+    note = (f"performance calibrated from {cal.points} measured point(s) of "
+            + ("this engine" if source == "measured" else "another layout on this hardware")
+            + f" (vlaunch tune, {entry.get('recorded_at', '?')}; fit error "
+            f"{cal.median_error:.0%})")
+    return perf.scaled(perf.DEFAULT, cal), source, [note]
+
+
+def assess(spec: ModelSpec, hw: Hardware, cand: Any, traits: Any, chunked: bool,
+           workload: Workload, slo: SLO, concurrency: int | None = None) -> Assessment | None:
+    """Predict `cand`'s service; None when the GPU has no speed facts or it does not fit."""
+    if not cand.fits:
+        return None
+    constants, source, notes = _constants_for(spec, hw, cand, traits.version)
+    shape = perf.engine_shape(spec, hw, cand.layout, cand.kv_bytes_per_token, cand.tokens,
+                              cand.max_num_seqs, cand.max_num_batched_tokens, chunked,
+                              constants, gemm_scale(spec, traits))
+    if shape is None:
+        return None
+    knee = perf.knee(shape, workload, slo)
+    at = perf.point(shape, workload, concurrency) if concurrency else (
+        knee or perf.point(shape, workload, 1))
+    extra = tuple(x for x in (knee.concurrency if knee else None, concurrency) if x)
+    return Assessment(shape, knee, at, perf.curve(shape, workload, extra),
+                      perf.binding(shape, workload, knee, slo), perf.point(shape, workload, 1),
+                      source, notes)
+
+
+def choose_chunk(a: Assessment, slo: SLO, default: int) -> tuple[int, str]:
+    """The largest prefill chunk whose step (beside the knee's decodes) stays within the TPOT
+    SLO, so a token that shares a step with a prompt still meets it; never below 2,048."""
+    s = a.shape
+    running = a.knee.running if a.knee else 1.0
+    ctx = 0.0
+    best = CHUNK_CHOICES[0]
+    for m in CHUNK_CHOICES:
+        step = perf.prefill_step_s(s, m, running, ctx) * 1e3
+        if step <= slo.tpot_ms:
+            best = m
+    step = perf.prefill_step_s(s, best, running, ctx) * 1e3
+    why = (f"max-num-batched-tokens {best:,}: the largest chunk whose step beside "
+           f"{running:,.0f} decodes takes {step:.1f} ms, within the {slo.tpot_ms:.0f} ms TPOT SLO"
+           if step <= slo.tpot_ms else
+           f"max-num-batched-tokens {best:,}: even this chunk's step takes {step:.1f} ms, over "
+           f"the {slo.tpot_ms:.0f} ms TPOT SLO; smaller chunks only slow prefill")
+    if best == default:
+        why += " (vLLM's default)"
+    return best, why
+
+
+def knee_seqs(a: Assessment) -> int | None:
+    """max_num_seqs per engine that holds the SLO: the knee's running requests, when the SLO
+    (not the KV cache or vLLM's own limit) is what binds."""
+    if a.knee is None or not a.binding.startswith("slo"):
+        return None
+    return max(1, math.floor(a.knee.concurrency / a.shape.dp))
+
+
+def performance_dict(a: Assessment | None, objective: str, workload: Workload, slo: SLO
+                     ) -> dict[str, Any] | None:
+    if a is None:
+        return None
+    return {"source": a.source, "objective": objective, "input_len": workload.input_len,
+            "output_len": workload.output_len, "workload": workload.name,
+            "assumed_workload": workload.assumed,
+            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+            "at": a.at.to_dict(), "knee": a.knee.to_dict() if a.knee else None,
+            "binding": a.binding, "single_request": a.single.to_dict(),
+            "curve": [p.to_dict() for p in a.curve],
+            "notes": a.notes}
+
+
+def shape_from_plan(d: dict[str, Any]) -> perf.EngineShape | None:
+    """Rebuild the performance model's engine from a plan dict (for calibration records)."""
+    from .budget import Layout
+    from .capabilities import version_traits
+    from .hardware import cpu_hardware, parse_gpus
+    from .model import load_model
+
+    spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
+    g, p, kv = d["gpus"], d["parallel"], d["kv_cache"]
+    hw = cpu_hardware() if g["platform"] == "cpu" else parse_gpus(
+        f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}")
+    layout = Layout(p["tp"], p["pp"], p["dp"], bool(p["expert_parallel"]), p.get("nodes", 1))
+    traits = version_traits(d["vllm_version"])
+    return perf.engine_shape(spec, hw, layout, kv["bytes_per_token"], kv["tokens"],
+                             d["max_num_seqs"], d["max_num_batched_tokens"],
+                             bool(d["enable_chunked_prefill"]), perf.DEFAULT,
+                             gemm_scale(spec, traits))
+
+
+def with_constants(a: Assessment, constants: perf.Constants) -> perf.EngineShape:
+    return dataclasses.replace(a.shape, constants=constants)

@@ -215,14 +215,22 @@ def _write_atomic(path: str, text: str) -> None:
               help="Write plan.json, vllm-args and vllm.env into DIR (init-container mode).")
 @click.option("--termination-log", default="/dev/termination-log", show_default=True,
               help="With --emit: where a does-not-fit explanation goes (if the file exists).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Draw the chosen layout's throughput-latency curve and the runner-ups' to a "
+                   "PNG (needs matplotlib: pip install 'vlaunch[plot]').")
 def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
-             emit_dir: str | None, termination_log: str, **pins) -> None:
+             emit_dir: str | None, termination_log: str, plot_path: str | None,
+             **pins) -> None:
     """Plan MODEL (a profile, an HF repo id of one, or a local model dir / config.json).
 
     Exit 0 when it fits, 3 when it does not, 2 for bad input.
     """
     plan = build_plan(model, gpus, **pins)
     d = plan.to_dict()
+    if plot_path and d["fits"]:
+        from .plot import plan_plot
+
+        plan_plot(d, plot_path)
     text = format_plan(d, fmt)
     if output:
         _write_atomic(output, text)
@@ -237,6 +245,53 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
             emit_plan(d, emit_dir)
     if not d["fits"]:
         sys.exit(3)
+
+
+@cli.command("capacity")
+@click.argument("model")
+@click.option("--users", type=int, help="Concurrent users, each with one request in flight.")
+@click.option("--rps", type=float, help="Requests per second arriving (open loop).")
+@workload_options
+@click.option("--gpus", "gpu_options", multiple=True,
+              help="GPU options to compare, e.g. 8xH200 2x8xH100 (repeat or comma-separate). "
+                   "Default: every data-centre GPU in the catalog that can hold the model.")
+@click.option("--price", "prices", multiple=True,
+              help="Price per GPU-hour, e.g. H200=3.50 (repeatable); default: catalog list "
+                   "prices, dated and sourced.")
+@click.option("--headroom", type=float, default=0.2, show_default=True,
+              help="Spare capacity as a fraction of the load.")
+@click.option("--spare", type=int, default=0, show_default=True,
+              help="Extra replicas for failures and rollouts.")
+@click.option("--max-model-len", type=int, help="Context each replica serves (default: full).")
+@click.option("--vllm-version", help="Plan for this vLLM version (default: installed).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+              show_default=True)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
+def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: tuple[str, ...],
+                 prices: tuple[str, ...], headroom: float, spare: int,
+                 max_model_len: int | None, vllm_version: str | None, fmt: str,
+                 plot_path: str | None, **kw) -> None:
+    """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s)."""
+    import json
+
+    from . import capacity
+    from .model import load_model
+
+    goals = split_goals(kw)
+    load = capacity.Load(users=users, rps=rps)
+    load.validate()
+    options = [g.strip() for item in gpu_options for g in item.split(",") if g.strip()]
+    price_map = capacity.parse_prices(prices)
+    spec = load_model(model)
+    d = capacity.plan_capacity(spec, load, goals["workload"], goals["slo"], options or None,
+                               price_map, headroom, spare,
+                               _pins(max_model_len=max_model_len, vllm_version=vllm_version))
+    if plot_path:
+        from .plot import capacity_plot
+
+        capacity_plot(d, plot_path)
+    click.echo(json.dumps(d, indent=2) if fmt == "json" else capacity.render(d))
 
 
 @cli.command("profiles")
@@ -372,6 +427,70 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
                  enforce_eager=bool(d.get("enforce_eager")),
                  vllm_version=d.get("vllm_version"))
     _run_serve(spec, hw, pins, extra, opts)
+
+
+@cli.command("tune")
+@click.argument("model")
+@plan_options
+@click.option("--budget", default="20m", show_default=True,
+              help="Wall-clock budget for the whole run: 20m, 90s, 1h30m.")
+@click.option("--max-starts", type=int, default=6, show_default=True,
+              help="Most engine starts (successive halving spends them).")
+@click.option("--output", "output_dir", type=click.Path(file_okay=False), default="tune-out",
+              show_default=True, help="Folder for tune.json, plan.json and vLLM's logs.")
+@click.option("--resume", is_flag=True, help="Skip the trials DIR/tune.json already finished.")
+@click.option("--candidate", "candidates", multiple=True,
+              help="Also measure these vLLM flags over the defaults, e.g. \"--max-num-seqs 16\".")
+@click.option("--max-concurrency", type=int, help="Highest concurrency the knee search tries.")
+@click.option("--rungs", type=click.IntRange(1, 5), help="Successive-halving rungs (default: "
+              "a third of the starts go to promotions).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Benchmark prompt seed.")
+@click.option("--startup-timeout", type=float, help="Seconds before a start-up is a hang.")
+@click.option("--plot", is_flag=True, help="Also draw tune.png (needs matplotlib).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="json: tune.json on stdout (progress stays on stderr).")
+@click.option("-v", "--verbose", is_flag=True, help="Show each trial's vLLM command.")
+def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_dir: str,
+             resume: bool, candidates: tuple[str, ...], max_concurrency: int | None,
+             rungs: int | None, seed: int, startup_timeout: float | None, plot: bool, fmt: str,
+             verbose: bool, **kw) -> None:
+    """Measure candidate configurations of MODEL on the real engine under an SLO.
+
+    Starts vLLM on the planner's best candidates and on vLLM's defaults, finds each one's SLO
+    knee with vLLM's own benchmark, and writes DIR/tune.json and DIR/plan.json (the best by
+    goodput; run it with `vlaunch exec --plan DIR/plan.json`). Exit 0, 2 for bad input, 128+N
+    when stopped by signal N (what was measured is kept).
+    """
+    import json
+    from pathlib import Path
+
+    from . import tune
+    from .model import load_model
+
+    budget_s = tune.parse_budget(budget)
+    if max_starts < 1:
+        raise InputError(f"--max-starts must be at least 1, got {max_starts}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise InputError(f"--max-concurrency must be at least 1, got {max_concurrency}")
+    user = [tune.parse_candidate(c) for c in candidates]
+    goals = split_goals(kw)
+    spec = load_model(model)
+    hw = _hardware(gpus)
+    pins = _pins(**kw)
+    out = tune.check_output_dir(output_dir)
+    opts = tune.TuneOptions(workload=goals["workload"], slo=goals["slo"],
+                            objective=goals["objective"] or "balanced", budget_s=budget_s,
+                            max_starts=max_starts, output=Path(out), resume=resume, seed=seed,
+                            max_concurrency=max_concurrency, rungs=rungs, user_candidates=user,
+                            startup_timeout=startup_timeout, plot=plot, verbose=verbose)
+    say = (lambda s: None) if fmt == "json" else click.echo  # noqa: E731
+    status, doc = tune.tune(spec, hw, pins, opts, out=say,
+                            log=lambda s: click.echo(s, err=True))
+    if fmt == "json":
+        click.echo(json.dumps(doc, indent=2, default=str))
+    if status == 0 and doc.get("recommended") is None:
+        status = 1
+    sys.exit(status)
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ class Assessment:
     single: perf.Point  # one request alone: the latency objective's figure
     source: str = "model"
     notes: list[str] = field(default_factory=list)
+    candidate: Any = None  # the planner's Candidate this assesses
 
     def score(self, objective: str, gpus: int) -> float:
         """Higher is better."""
@@ -52,6 +53,14 @@ class Assessment:
         if self.knee is None:  # the SLO is out of reach: closer is better, below any that meet
             return -1e9 - self.single.tpot_ms
         return self.knee.output_tokens_per_s / gpus
+
+    def headline(self, objective: str) -> str:
+        """The deciding number alone."""
+        if objective == "latency":
+            return f"TPOT {self.single.tpot_ms:.1f} ms"
+        if self.knee is None:
+            return "misses the SLO"
+        return f"{self.knee.output_tokens_per_s:,.0f} output tok/s"
 
     def figure(self, objective: str) -> str:
         """The number that decided, in words."""
@@ -106,7 +115,7 @@ def assess(spec: ModelSpec, hw: Hardware, cand: Any, traits: Any, chunked: bool,
     extra = tuple(x for x in (knee.concurrency if knee else None, concurrency) if x)
     return Assessment(shape, knee, at, perf.curve(shape, workload, extra),
                       perf.binding(shape, workload, knee, slo), perf.point(shape, workload, 1),
-                      source, notes)
+                      source, notes, cand)
 
 
 def choose_chunk(a: Assessment, slo: SLO, default: int) -> tuple[int, str]:

@@ -593,8 +593,17 @@ def _tune_batch(spec: ModelSpec, hw: Hardware, best: Candidate, assessed: dict[i
     if not tuned.fits or tuned.max_model_len < best.max_model_len:
         return best
     ta = perfplan.assess(spec, hw, tuned, traits, chunked, workload, slo, concurrency)
-    if ta is not None and seqs != pins.max_num_seqs:
-        ta.binding = a.binding  # the cap sits at the knee: what bound it still binds
+    if ta is not None and seqs != pins.max_num_seqs and a.knee is not None:
+        # The cap sits at the knee: report the service there (beyond it requests queue) and
+        # what bound it before the cap.
+        from . import perf
+
+        ta.knee = perf.point(ta.shape, workload, a.knee.concurrency)
+        if not concurrency:
+            ta.at = ta.knee
+        ta.curve = perf.curve(ta.shape, workload,
+                              tuple(x for x in (a.knee.concurrency, concurrency) if x))
+        ta.binding = a.binding
     assessed[id(tuned)] = ta
     reasons.extend(notes)
     return tuned
@@ -616,7 +625,7 @@ def _why_not(c: Candidate, a: Any, best: Candidate, a_best: Any, objective: str)
         return f"holds only {c.max_model_len:,} tokens of context"
     if a is None or a_best is None:
         return f"fewer concurrent sequences ({c.concurrency:.1f})"
-    return f"{a.figure(objective)} vs {a_best.figure(objective)}"
+    return f"{a.figure(objective)}; chosen: {a_best.headline(objective)}"
 
 
 def _explain_speed(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
@@ -663,9 +672,9 @@ def _explain(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
     if c.fits:
         r.insert(0, f"layout {c.label()}: {c.summary().split(': ', 1)[1]}"
                  + (" (pinned)" if pins.tp or pins.pp or pins.dp else ""))
-        for other in cands[1:4]:
-            why = plan.why_not.get(id(other), "")
-            r.append(f"not {other.label()}: {why}" if why else f"not {other.summary()}")
+        if plan.performance is None:  # with a performance model the runner-ups are listed there
+            for other in cands[1:4]:
+                r.append(f"not {other.summary()}")
     if pins.max_model_len:
         r.append(f"max-model-len {c.max_model_len:,}: pinned by you")
     elif c.fits and c.max_model_len == spec.max_context:

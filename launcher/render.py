@@ -57,6 +57,7 @@ def plan_text(d: dict[str, Any]) -> str:
     lines += ["    " + x for x in budget_bar(d["per_gpu"], g["total_bytes"])]
     lines.append(f"    vLLM may use {d['per_gpu']['requested_bytes'] / GiB:.2f} GiB "
                  f"of {g['total_bytes'] / GiB:.2f} GiB ({g['free_bytes'] / GiB:.2f} GiB free)")
+    lines += performance_lines(d)
     for title, key in (("why", "reasons"), ("warnings", "warnings"),
                        ("what would fit", "suggestions")):
         if d.get(key):
@@ -88,3 +89,47 @@ def _node_commands(d: dict[str, Any]) -> list[str]:
         env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
         out.append(f"      {env_text} {shlex.join(launch.argv)}")
     return out
+
+
+def curve_table(perf: dict[str, Any], indent: str = "    ") -> list[str]:
+    """The throughput-latency curve as a small table; the knee and the asked point marked."""
+    knee = (perf.get("knee") or {}).get("concurrency")
+    at = (perf.get("at") or {}).get("concurrency")
+    slo = perf["slo"]
+    out = [f"{indent}{'in flight':>10} {'TPOT ms':>9} {'TTFT ms':>10} {'output tok/s':>13}"]
+    for p in perf["curve"]:
+        mark = []
+        if p["concurrency"] == knee:
+            mark.append("knee")
+        if p["concurrency"] == at and at != knee:
+            mark.append("asked")
+        if p["tpot_ms"] > slo["tpot_ms"] or p["ttft_ms"] > slo["ttft_ms"]:
+            mark.append("misses SLO")
+        out.append(f"{indent}{p['concurrency']:>10,.0f} {p['tpot_ms']:>9.1f} "
+                   f"{p['ttft_ms']:>10,.0f} {p['output_tokens_per_s']:>13,.0f}  "
+                   + ", ".join(mark))
+    return out
+
+
+def performance_lines(d: dict[str, Any]) -> list[str]:
+    perf = d.get("performance")
+    if not d.get("fits") or not perf:
+        return []
+    slo = perf["slo"]
+    lines = [f"  performance ({perf['source']}; {perf['input_len']:,} in / {perf['output_len']:,} "
+             f"out per request; SLO TTFT {slo['ttft_ms']:,.0f} ms, TPOT {slo['tpot_ms']:.0f} ms; "
+             f"objective {perf['objective']}):"]
+    k = perf.get("knee")
+    if k:
+        lines.append(f"    knee: {k['concurrency']:,.0f} in flight, "
+                     f"{k['output_tokens_per_s']:,.0f} output tok/s, {k['requests_per_s']:.2f} req/s, TPOT {k['tpot_ms']:.1f} ms, "
+                     f"TTFT {k['ttft_ms']:,.0f} ms (bound by {perf['binding']})")
+    else:
+        lines.append(f"    the SLO is out of reach even for one request (TPOT "
+                     f"{perf['single_request']['tpot_ms']:.1f} ms)")
+    lines += curve_table(perf)
+    alts = [a for a in d.get("alternatives") or [] if isinstance(a, dict) and a.get("fits")]
+    if alts:
+        lines.append("    runner-ups:")
+        lines += [f"      {a['label']} (kv {a['kv_cache']['dtype']}): {a['why_not']}" for a in alts]
+    return lines

@@ -153,7 +153,8 @@ def test_plan_path_stays_light():
     code = ("import sys; from launcher.cli import main; sys.argv=['vlaunch','plan','deepseek-v3',"
             "'--gpus','8xH200','--format','json']\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "heavy=[m for m in ('torch','vllm','transformers','numpy') if m in sys.modules]\n"
+            "heavy=[m for m in ('torch','vllm','transformers','numpy','matplotlib')\n"
+            "       if m in sys.modules]\n"
             "print('HEAVY', heavy, file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in r.stderr, r.stderr

@@ -1,0 +1,106 @@
+"""Pictures where a curve says more than numbers: throughput against latency.
+
+matplotlib is an optional extra (`pip install 'vlaunch[plot]'`), imported only here and only
+when a plot is asked for, so `vlaunch plan` stays light. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import InputError
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("--plot needs matplotlib: pip install 'vlaunch[plot]' (or "
+                         "pip install matplotlib)") from None
+    return plt
+
+
+def _save(fig: Any, path: str) -> Path:
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"cannot write the plot {path}: folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=folder)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _draw(ax: Any, curve: list[dict[str, Any]], label: str, knee: dict | None, **style) -> None:
+    xs = [p["tpot_ms"] for p in curve]
+    ys = [p["output_tokens_per_s"] for p in curve]
+    ax.plot(xs, ys, marker="o", markersize=3, label=label, **style)
+    if knee:
+        ax.plot([knee["tpot_ms"]], [knee["output_tokens_per_s"]], marker="*", markersize=12,
+                color=ax.lines[-1].get_color())
+
+
+def _frame(ax: Any, slo: dict[str, float], title: str) -> None:
+    ax.axvline(slo["tpot_ms"], color="grey", linestyle="--", linewidth=1)
+    ax.text(slo["tpot_ms"], ax.get_ylim()[1] * 0.02, f" TPOT SLO {slo['tpot_ms']:.0f} ms",
+            color="grey", fontsize=8)
+    ax.set_xlabel("TPOT, ms per output token (lower is faster for each user)")
+    ax.set_ylabel("output tokens/s, whole deployment")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plan_plot(d: dict[str, Any], path: str) -> Path:
+    """The chosen layout's curve (bold, knee starred) and each runner-up's."""
+    perf = d.get("performance")
+    if not perf:
+        raise InputError("no performance prediction to plot (the GPU has no speed facts)")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    p = d["parallel"]
+    label = f"TP{p['tp']}" + (f"xPP{p['pp']}" if p["pp"] > 1 else "") + (
+        f"xDP{p['dp']}" if p["dp"] > 1 else "") + ("+EP" if p["expert_parallel"] else "")
+    _draw(ax, perf["curve"], f"{label} (chosen)", perf.get("knee"), linewidth=2.5)
+    for alt in d.get("alternatives") or []:
+        ap = alt.get("performance") if isinstance(alt, dict) else None
+        if ap:
+            _draw(ax, ap["curve"], f"{alt['label']} kv {alt['kv_cache']['dtype']}",
+                  ap.get("knee"), linewidth=1, alpha=0.7)
+    _frame(ax, perf["slo"], f"{d['model']['name']} on {d['gpus']['count']}x{d['gpus']['name']}: "
+           f"{perf['input_len']:,} in / {perf['output_len']:,} out ({perf['source']})")
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def capacity_plot(d: dict[str, Any], path: str) -> Path:
+    """One curve per GPU option, per replica; the knee at the SLO starred."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = 0
+    for o in d["options"]:
+        if o.get("curve"):
+            per = o.get("per_replica") or {}
+            knee = ({"tpot_ms": per["tpot_ms"], "output_tokens_per_s":
+                     per["output_tokens_per_s"]} if per else None)
+            _draw(ax, o["curve"], f"{o['gpus']} {o['parallel']['label']}", knee)
+            drawn += 1
+    if not drawn:
+        plt.close(fig)
+        raise InputError("no option has a performance curve to plot")
+    _frame(ax, d["slo"], f"{d['model']}: one replica per option")
+    out = _save(fig, path)
+    plt.close(fig)
+    return out

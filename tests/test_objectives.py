@@ -1,0 +1,125 @@
+"""Workload, SLO and objective: parsing, and the decisions the performance model drives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from launcher.cli import cli
+from launcher.errors import InputError
+from launcher.hardware import parse_gpus
+from launcher.model import load_model
+from launcher.planner import Pins, make_plan
+from launcher.workload import PRESETS, SLO, parse_slo, resolve_workload
+
+
+def plan(model, gpus, objective="balanced", **kw):
+    return make_plan(load_model(model), parse_gpus(gpus), Pins(vllm_version="0.32.0"),
+                     objective=objective, **kw)
+
+
+def test_slo_parses_seconds_and_milliseconds():
+    assert parse_slo("ttft=2s,tpot=50ms") == SLO(2000.0, 50.0)
+    assert parse_slo("tpot=0.04s") == SLO(tpot_ms=40.0)
+    assert parse_slo(None) == SLO()
+
+
+@pytest.mark.parametrize("text", ["ttft=2", "tpot=fast", "latency=2s", "ttft=0s", "ttft2s"])
+def test_malformed_slo_is_an_input_error(text):
+    with pytest.raises(InputError):
+        parse_slo(text)
+
+
+def test_workload_presets_and_the_assumed_default():
+    w = resolve_workload()
+    assert w.assumed and (w.input_len, w.output_len) == PRESETS["chat"][:2]
+    assert resolve_workload(preset="rag").input_len == 8192
+    w = resolve_workload(input_len=3000)
+    assert (w.input_len, w.output_len, w.assumed) == (3000, 256, False)
+    with pytest.raises(InputError):
+        resolve_workload(output_len=0)
+
+
+def test_deepseek_on_8xh200_is_dp_ep_for_throughput_and_tp8_for_latency():
+    thr = plan("deepseek-r1", "8xH200", "throughput")
+    lat = plan("deepseek-r1", "8xH200", "latency")
+    assert thr.chosen.layout.dp == 8 and thr.chosen.layout.expert_parallel
+    assert lat.chosen.layout.tp == 8 and lat.chosen.layout.dp == 1
+    # the numbers that decided are in the plan
+    d = thr.to_dict()
+    tp8 = next(a for a in d["alternatives"] if a["label"] == "TP8+EP")
+    assert tp8["performance"]["knee"]["output_tokens_per_s"] < \
+        d["performance"]["knee"]["output_tokens_per_s"]
+    assert "chosen:" in tp8["why_not"]
+    ld = lat.to_dict()
+    assert ld["performance"]["single_request"]["tpot_ms"] < min(
+        a["performance"]["single_request"]["tpot_ms"] for a in ld["alternatives"]
+        if a["performance"])
+
+
+def test_an_8b_model_on_8_gpus_is_eight_tp1_engines_for_throughput():
+    p = plan("llama-3.1-8b", "8xH100", "throughput")
+    assert (p.chosen.layout.tp, p.chosen.layout.dp) == (1, 8)
+
+
+def test_fp8_kv_only_with_a_reason_and_never_against_a_pin():
+    # DeepSeek-V3 on 8xH200: bf16 holds the context and the knee; fp8 is not worth the risk.
+    p = plan("deepseek-v3", "8xH200")
+    assert p.chosen.kv_dtype == "auto"
+    pinned = make_plan(load_model("deepseek-v3"), parse_gpus("8xH200"),
+                       Pins(vllm_version="0.32.0", kv_cache_dtype="fp8"))
+    assert pinned.chosen.kv_dtype == "fp8"
+    assert any("pinned by you" in r for r in pinned.reasons)
+
+
+def test_balanced_caps_max_num_seqs_at_the_knee_throughput_does_not():
+    bal = plan("deepseek-r1", "8xH200", "balanced")
+    thr = plan("deepseek-r1", "8xH200", "throughput")
+    knee = bal.to_dict()["performance"]["knee"]["concurrency"]
+    dp = bal.chosen.layout.dp
+    assert bal.chosen.max_num_seqs * dp <= knee < (bal.chosen.max_num_seqs + 1) * dp
+    assert thr.chosen.max_num_seqs == 1024  # vLLM's default for this GPU class
+    assert any("the SLO knee" in r for r in bal.reasons)
+
+
+def test_a_tighter_slo_lowers_the_knee():
+    loose = plan("deepseek-r1", "8xH200", slo=SLO(tpot_ms=80)).to_dict()["performance"]
+    tight = plan("deepseek-r1", "8xH200", slo=SLO(tpot_ms=30)).to_dict()["performance"]
+    assert tight["knee"]["concurrency"] < loose["knee"]["concurrency"]
+
+
+def test_performance_json_contract():
+    r = CliRunner().invoke(cli, ["plan", "deepseek-r1", "--gpus", "8xH200", "--format", "json",
+                                 "--input-len", "2000", "--output-len", "500", "--slo",
+                                 "ttft=3s,tpot=40ms", "--concurrency", "32"])
+    assert r.exit_code == 0, r.output
+    perf = json.loads(r.output)["performance"]
+    assert perf["source"] == "model" and perf["objective"] == "balanced"
+    assert (perf["input_len"], perf["output_len"]) == (2000, 500)
+    assert perf["slo"] == {"ttft_ms": 3000.0, "tpot_ms": 40.0}
+    keys = {"concurrency", "tpot_ms", "ttft_ms", "output_tokens_per_s", "requests_per_s"}
+    assert set(perf["at"]) >= keys and set(perf["knee"]) >= keys
+    assert perf["at"]["concurrency"] == 32
+    assert all(set(p) >= keys - {"requests_per_s"} for p in perf["curve"])
+    assert any(p["concurrency"] == 32 for p in perf["curve"])
+
+
+def test_text_plan_shows_the_curve_and_the_assumption():
+    r = CliRunner().invoke(cli, ["plan", "deepseek-r1", "--gpus", "8xH200"])
+    assert r.exit_code == 0
+    assert "assumed, none given" in r.output
+    assert "TPOT ms" in r.output and "knee" in r.output and "runner-ups:" in r.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--slo", "ttft=fast"], "malformed --slo"),
+    (["--input-len", "-3"], "--input-len"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--objective", "cheap"], "objective"),
+])
+def test_bad_workload_input_is_one_line(args, needle):
+    r = CliRunner().invoke(cli, ["plan", "deepseek-r1", "--gpus", "8xH200", *args])
+    assert r.exit_code == 2, r.output
+    assert needle in r.output and "Traceback" not in r.output

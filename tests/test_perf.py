@@ -1,0 +1,171 @@
+"""The performance model from first principles: each test states the arithmetic it checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+
+from launcher import budget as B
+from launcher import perf
+from launcher.hardware import parse_gpus
+from launcher.model import load_model
+from launcher.planner import Pins, make_plan
+from launcher.workload import SLO, Workload
+
+V = Pins(vllm_version="0.32.0")
+
+
+def toy(**kw) -> perf.EngineShape:
+    """A dense one-GPU engine with round numbers: 10 GB of weights, 1 TB/s, 1 PFLOPS (the
+    ~1,000 FLOP per byte of a data-centre GPU)."""
+    base = dict(tp=1, pp=1, dp=1, expert_parallel=False, layers=10, moe_layers=0, experts=0,
+                topk=0, hidden=1000, dense_bytes=10e9, expert_bytes=0.0,
+                dense_flops_per_token=2e10, expert_flops_per_token=0.0,
+                attn_decode_flops=0.0, attn_prefill_flops=0.0, kv_bytes_per_token=100_000,
+                hbm=1e12, peak=1e15, link_latency_s=0.0, link_bw=1e11, cross_node_tp=False,
+                cross_node_pp=False, cross_node_ep=False, max_num_seqs=256,
+                max_num_batched_tokens=8192, kv_tokens=1_000_000, chunked_prefill=True)
+    base.update(kw)
+    return perf.EngineShape(**base)
+
+
+K = perf.DEFAULT
+
+
+def test_touched_experts_follow_the_occupancy_formula():
+    # One token touches k of E experts; B tokens touch E x (1 - (1 - k/E)^B) on average.
+    assert perf.touched_fraction(256, 8, 1) == pytest.approx(8 / 256)
+    assert perf.touched_fraction(256, 8, 4) == pytest.approx(1 - (248 / 256) ** 4)
+    assert perf.touched_fraction(256, 8, 10_000) == pytest.approx(1.0)
+    assert perf.touched_fraction(0, 0, 5) == 0.0
+
+
+def test_batch_one_decode_is_weights_over_bandwidth_plus_fixed_costs():
+    s = toy()
+    # memory: 10 GB / (1 TB/s x bw_efficiency); compute at batch 1 is far smaller.
+    mem = 10e9 / (1e12 * K.bw_efficiency)
+    fixed = 10 * K.layer_us * 1e-6 + K.step_us * 1e-6
+    assert perf.decode_step_s(s, 1, 0) == pytest.approx(mem + fixed, rel=1e-9)
+
+
+def test_context_costs_its_kv_bytes_over_bandwidth():
+    # One more cached token read per step costs kv_bytes / (hbm x efficiency) seconds.
+    s = toy()
+    slope = (perf.decode_step_s(s, 1, 20_000) - perf.decode_step_s(s, 1, 10_000)) / 10_000
+    assert slope == pytest.approx(100_000 / (1e12 * K.bw_efficiency), rel=1e-9)
+
+
+def test_fp8_kv_halves_the_context_slope_on_a_real_model():
+    spec, hw = load_model("llama-3.1-8b"), parse_gpus("1xH100")
+    layout = B.Layout()
+    shapes = {}
+    for dtype in ("auto", "fp8"):
+        per_token = B.kv_bytes_per_token(spec, dtype, layout)
+        shapes[dtype] = perf.engine_shape(spec, hw, layout, per_token, 10**6, 256, 8192, True)
+    slopes = {d: perf.decode_step_s(s, 1, 32_768) - perf.decode_step_s(s, 1, 0)
+              for d, s in shapes.items()}
+    # 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 B = 128 KiB per token in bf16.
+    assert shapes["auto"].kv_bytes_per_token == 32 * 8 * 128 * 2 * 2
+    assert slopes["fp8"] == pytest.approx(slopes["auto"] / 2, rel=1e-6)
+
+
+def test_compute_takes_over_at_large_batches():
+    # 20 GFLOP per token at 1 PFLOPS x efficiency x M/(M + m_half): at batch 4,096 the
+    # GEMMs cost more than reading 10 GB.
+    s = toy()
+    b = 4096
+    comp = b * 2e10 / (1e15 * K.compute_efficiency * b / (b + K.gemm_m_half))
+    mem = 10e9 / (1e12 * K.bw_efficiency)
+    assert comp > mem
+    fixed = 10 * K.layer_us * 1e-6 + K.step_us * 1e-6
+    assert perf.decode_step_s(s, b, 0) == pytest.approx(comp + fixed, rel=1e-9)
+
+
+def test_tp_adds_two_all_reduces_per_layer():
+    one, two = toy(), toy(tp=2, link_latency_s=20e-6, link_bw=1e18)
+    # Same bytes (the toy keeps them) and two all-reduces of 20 us per layer x 10 layers.
+    assert perf.decode_step_s(two, 1, 0) - perf.decode_step_s(one, 1, 0) == pytest.approx(
+        2 * 10 * 20e-6, rel=1e-3)
+
+
+def test_latency_and_throughput_rise_monotonically_with_concurrency():
+    spec, hw = load_model("deepseek-r1"), parse_gpus("8xH200")
+    a = make_plan(spec, hw, V, objective="throughput").performance
+    w = Workload(1024, 256)
+    last = None
+    for c in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        p = perf.point(a.shape, w, c)
+        if last:
+            assert p.tpot_ms >= last.tpot_ms - 1e-9
+            assert p.ttft_ms >= last.ttft_ms - 1e-9
+            assert p.output_tokens_per_s >= last.output_tokens_per_s - 1e-6
+        last = p
+
+
+def test_littles_law_ties_throughput_to_latency():
+    # Closed loop: C clients each waiting TTFT + (O - 1) x TPOT per request.
+    s, w = toy(), Workload(512, 128)
+    p = perf.point(s, w, 16)
+    e2e = (p.ttft_ms + 127 * p.tpot_ms) / 1e3
+    assert p.requests_per_s == pytest.approx(16 / e2e, rel=1e-6)
+    assert p.output_tokens_per_s == pytest.approx(p.requests_per_s * 128, rel=1e-9)
+
+
+def test_knee_is_the_last_concurrency_within_the_slo():
+    s, w = toy(), Workload(512, 128)
+    slo = SLO(ttft_ms=2000, tpot_ms=20)
+    k = perf.knee(s, w, slo)
+    assert k is not None and slo.met(k.ttft_ms, k.tpot_ms)
+    nxt = perf.point(s, w, k.concurrency + 1)
+    assert not slo.met(nxt.ttft_ms, nxt.tpot_ms)
+    assert perf.knee(s, w, SLO(tpot_ms=1)) is None  # 1 ms per token is out of reach
+
+
+def test_kv_cache_caps_running_requests():
+    # 100,000 KV tokens hold 100,000 / (900 + 100) = 100 requests at full length.
+    s, w = toy(kv_tokens=100_000), Workload(900, 100)
+    assert perf.running_limit(s, w) == (100.0, "kv_cache")
+    p = perf.point(s, w, 400)
+    assert p.running == 100 and p.limit == "kv_cache"
+
+
+def test_calibration_recovers_known_scales():
+    # Points generated with fixed costs x2 and rooflines x0.5: the fit finds them again.
+    s, w = toy(), Workload(256, 64)
+    truth = perf.Calibration(2.0, 0.5, 0, 0)
+    true_shape = dataclasses.replace(s, constants=perf.scaled(K, truth))
+    points = []
+    for c in (1, 4, 16, 64):
+        p = perf.point(true_shape, w, c)
+        points.append({"concurrency": c, "input_len": 256, "output_len": 64,
+                       "output_tokens_per_s": p.output_tokens_per_s, "tpot_ms": p.tpot_ms})
+    cal = perf.calibrate(s, points)
+    assert cal is not None and cal.median_error < 0.02
+    fitted = dataclasses.replace(s, constants=perf.scaled(K, cal))
+    for c in (2, 8, 32):
+        want = perf.point(true_shape, w, c).output_tokens_per_s
+        assert perf.point(fitted, w, c).output_tokens_per_s == pytest.approx(want, rel=0.05)
+
+
+def test_unknown_speed_facts_claim_no_performance():
+    spec = load_model("llama-3.1-8b")
+    p = make_plan(spec, parse_gpus("1x80GiB"), V)
+    assert p.fits and p.performance is None
+    assert p.to_dict()["performance"] is None
+    assert any("no performance prediction" in r for r in p.reasons)
+
+
+def test_every_catalog_constant_is_positive_and_sourced():
+    from launcher.hardware import kinds
+
+    for k in kinds():
+        assert k.hbm_gbps and k.hbm_gbps > 0 and k.bf16_tflops and k.bf16_tflops > 0, k.name
+        if k.price_usd_per_hour:
+            assert k.price_source and re.match(r"\d{4}-\d{2}", k.price_date), k.name
+    for f in dataclasses.fields(perf.Constants):
+        assert getattr(K, f.name) > 0 and not math.isnan(getattr(K, f.name))
+
+

@@ -128,8 +128,9 @@ def param_count(spec: ModelSpec) -> int:
 
 def weights_bytes(spec: ModelSpec, loaded_only: bool = True) -> int:
     """Bytes of all weights, all ranks together (what vLLM loads unless loaded_only=False)."""
-    return round(sum(tensor_bytes(t, spec.quant, spec.dtype_bytes) for t in spec.tensors
-                     if t.loaded or not loaded_only))
+    return memo("weights", spec, loaded_only, lambda: round(sum(
+        tensor_bytes(t, spec.quant, spec.dtype_bytes) for t in spec.tensors
+        if t.loaded or not loaded_only)))
 
 
 def checkpoint_scale(spec: ModelSpec) -> float:
@@ -170,8 +171,30 @@ def pp_stages(num_layers: int, pp: int) -> list[range]:
     return out
 
 
+_MEMO: dict[tuple, tuple] = {}
+
+
+def memo(kind: str, spec: ModelSpec, layout: object, compute):  # noqa: ANN001
+    """Per-(spec, layout) results of sums over every tensor: a plan asks for them once per KV
+    dtype and objective, and DeepSeek has ~1,000 tensor groups. Keyed by identity; the entry
+    holds the spec, so an id is never reused while its entry lives."""
+    key = (kind, id(spec), layout)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_MEMO) > 4096:
+        _MEMO.clear()
+    value = compute()
+    _MEMO[key] = (spec, value)
+    return value
+
+
 def stage_weight_bytes(spec: ModelSpec, layout: Layout) -> list[int]:
     """Weight bytes on one rank of each pipeline stage (embedding first, head last)."""
+    return list(memo("stage_weights", spec, layout, lambda: _stage_weight_bytes(spec, layout)))
+
+
+def _stage_weight_bytes(spec: ModelSpec, layout: Layout) -> list[int]:
     stages = pp_stages(spec.num_layers, layout.pp)
     totals = [0.0] * layout.pp
     for t in spec.tensors:

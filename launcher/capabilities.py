@@ -15,16 +15,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .errors import InputError
 from .hardware import GiB, Hardware
-from .paths import cache_dir, profiles_dir
+from .paths import cache_dir, profiles_dir, read_yaml
 
 
 @functools.lru_cache(maxsize=1)
 def table() -> dict[str, Any]:
-    return yaml.safe_load((profiles_dir() / "capabilities.yaml").read_text())
+    return read_yaml(profiles_dir() / "capabilities.yaml")
 
 
 def parse_version(text: str) -> tuple[int, ...]:

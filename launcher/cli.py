@@ -426,7 +426,21 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
                  max_num_batched_tokens=d["max_num_batched_tokens"],
                  enforce_eager=bool(d.get("enforce_eager")),
                  vllm_version=d.get("vllm_version"))
-    _run_serve(spec, hw, pins, extra, opts)
+    _run_serve(spec, hw, pins, extra, opts, goals_from_plan(d))
+
+
+def goals_from_plan(d: dict) -> dict | None:
+    """The workload, SLO and objective an emitted plan was made for, so exec re-plans for them."""
+    from .workload import SLO, Workload
+
+    perf = d.get("performance")
+    if not perf:
+        return None
+    return {"workload": Workload(int(perf["input_len"]), int(perf["output_len"]),
+                                 perf.get("workload", "custom"),
+                                 bool(perf.get("assumed_workload"))),
+            "objective": perf["objective"],
+            "slo": SLO(float(perf["slo"]["ttft_ms"]), float(perf["slo"]["tpot_ms"]))}
 
 
 @cli.command("tune")

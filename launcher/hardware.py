@@ -12,10 +12,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-import yaml
-
 from .errors import InputError
-from .paths import profiles_dir
+from .paths import profiles_dir, read_yaml
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -88,7 +86,7 @@ class Hardware:
 def catalog() -> dict[str, GPUKind]:
     """The GPU catalog keyed by upper-cased name and aliases."""
     path = profiles_dir() / "gpus.yaml"
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml(path)
     kinds: dict[str, GPUKind] = {}
     for name, row in data["gpus"].items():
         kind = GPUKind(
@@ -125,7 +123,7 @@ def _perf_fields(row: dict) -> dict:
 @functools.lru_cache(maxsize=1)
 def cpu_engine_row() -> dict:
     """The CPU engine's rough speed facts (profiles/gpus.yaml, cpu_engine)."""
-    data = yaml.safe_load((profiles_dir() / "gpus.yaml").read_text())
+    data = read_yaml(profiles_dir() / "gpus.yaml")
     return dict(data.get("cpu_engine") or {})
 
 

@@ -10,17 +10,16 @@ about GPUs.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .arch import ARCHITECTURES, Tensor
 from .errors import InputError
-from .paths import profiles_dir
+from .paths import profiles_dir, read_yaml
 
 __all__ = ["ModelSpec", "Quant", "Tensor", "load_model", "list_profiles"]
 
@@ -165,7 +164,7 @@ def _profiles() -> dict[str, Path]:
     """Profile name and HF repo id (lower-cased) -> YAML path."""
     index: dict[str, Path] = {}
     for path in sorted((profiles_dir() / "models").glob("*.yaml")):
-        head = yaml.safe_load(path.read_text())
+        head = read_yaml(path)
         index[path.stem.lower()] = path
         if head.get("hf_id"):
             index[str(head["hf_id"]).lower()] = path
@@ -181,8 +180,8 @@ def list_profiles() -> list[ModelSpec]:
 
 
 def _load_profile(path: Path) -> ModelSpec:
-    data = yaml.safe_load(path.read_text())
-    cfg = data["config"]
+    data = read_yaml(path)
+    cfg = copy.deepcopy(data["config"])  # the parsed file is shared by the YAML cache
     return spec_from_config(cfg, name=path.stem, hf_id=data.get("hf_id", path.stem),
                             description=data.get("description", ""),
                             distill_of=data.get("distill_of"),

@@ -134,6 +134,10 @@ def _active_counts(spec: ModelSpec) -> tuple[float, float, float]:
 
 def _bytes_per_rank(spec: ModelSpec, layout: B.Layout) -> tuple[float, float]:
     """(non-expert bytes, routed-expert bytes) one GPU holds, summed over all stages."""
+    return B.memo("perf_bytes", spec, layout, lambda: _sum_bytes_per_rank(spec, layout))
+
+
+def _sum_bytes_per_rank(spec: ModelSpec, layout: B.Layout) -> tuple[float, float]:
     dense = experts = 0.0
     for t in spec.tensors:
         if not t.loaded or t.part in ("embed", "vision"):
@@ -178,7 +182,7 @@ def engine_shape(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_bytes_per_t
         return None
     fp8_weights = spec.quant.method.startswith("fp8")
     tflops = kind.fp8_tflops if fp8_weights and kind.fp8_tflops else kind.bf16_tflops
-    dense_p, expert_p, _ = _active_counts(spec)
+    dense_p, expert_p, _ = B.memo("active", spec, B.Layout(), lambda: _active_counts(spec))
     topk = spec.experts_per_token if spec.is_moe else 0
     active = dense_p + (expert_p * topk / spec.num_experts if spec.is_moe else 0.0)
     gpus = layout.tp * layout.pp

@@ -122,7 +122,8 @@ def performance_lines(d: dict[str, Any]) -> list[str]:
     k = perf.get("knee")
     if k:
         lines.append(f"    knee: {k['concurrency']:,.0f} in flight, "
-                     f"{k['output_tokens_per_s']:,.0f} output tok/s, {k['requests_per_s']:.2f} req/s, TPOT {k['tpot_ms']:.1f} ms, "
+                     f"{k['output_tokens_per_s']:,.0f} output tok/s, "
+                     f"{k['requests_per_s']:.2f} req/s, TPOT {k['tpot_ms']:.1f} ms, "
                      f"TTFT {k['ttft_ms']:,.0f} ms (bound by {perf['binding']})")
     else:
         lines.append(f"    the SLO is out of reach even for one request (TPOT "

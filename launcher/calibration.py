@@ -51,12 +51,16 @@ def plan_key(d: dict[str, Any]) -> str:
 def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path:
     """Add measured points for the engine of plan `d`, refit its scales, save atomically."""
     from . import perf
-    from .planner import shape_from_plan
+    from .perfplan import shape_from_plan
 
     data = _load()
     k = plan_key(d)
     entry = data.get(k) or {"points": []}
-    entry["points"] = _merge(entry["points"], points)
+    engine = {"max_num_seqs": d.get("max_num_seqs"),
+              "max_num_batched_tokens": d.get("max_num_batched_tokens")}
+    # Points of one layout from engines with other batch limits stay apart: the limits are
+    # part of each point, and the fit replays every point on its own engine's limits.
+    entry["points"] = _merge(entry["points"], [engine | p for p in points])
     entry.update(family=family(d["model"]["name"], d["gpus"]["name"], d["vllm_version"]),
                  source=source, recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     shape = shape_from_plan(d)
@@ -71,7 +75,8 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path
 def _merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Newer points replace older ones at the same concurrency and lengths."""
     def ident(p: dict[str, Any]) -> tuple:
-        return (p.get("concurrency"), p.get("input_len"), p.get("output_len"))
+        return (p.get("concurrency"), p.get("input_len"), p.get("output_len"),
+                p.get("max_num_seqs"), p.get("max_num_batched_tokens"))
 
     merged = {ident(p): p for p in old}
     merged.update({ident(p): p for p in new})

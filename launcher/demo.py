@@ -1,5 +1,7 @@
 """`make demo`: the whole loop on this machine, on a tiny model the project generates itself.
 
+0. decide for the real target: DeepSeek-R1 on 8xH200 by objective, and the GPUs and dollars
+   for 500 users (the performance model; no GPU needed to plan);
 1. generate (once, cached) a random-weight model with DeepSeek-V3's architecture;
 2. `vlaunch serve` it on the CPU engine: plan, start, verify planned vs actual, smoke test;
 3. send a few requests and read the KV gauges from vlaunch's exporter;
@@ -34,8 +36,40 @@ def _complete(base: str, model: str, prompt: str, max_tokens: int = 24) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
+def _decide() -> None:
+    """What vlaunch would run on the real target, and what 500 users cost: plan + capacity."""
+    from . import capacity
+    from .hardware import parse_gpus
+    from .model import load_model
+    from .planner import make_plan
+    from .workload import SLO, resolve_workload
+
+    spec, hw, w = load_model("deepseek-r1"), parse_gpus("8xH200"), resolve_workload(preset="chat")
+    print("demo: $ vlaunch plan deepseek-r1 --gpus 8xH200 --workload chat --objective ...")
+    for objective in ("throughput", "latency"):
+        d = make_plan(spec, hw, workload=w, objective=objective).to_dict()
+        perf = d["performance"]
+        k, one = perf["knee"], perf["single_request"]
+        label = next(r for r in d["reasons"] if r.startswith("layout ")).split(":")[0]
+        print(f"    {objective:10} -> {label[7:]}: {k['output_tokens_per_s']:,.0f} output tok/s "
+              f"at {k['concurrency']:,.0f} in flight within TPOT {perf['slo']['tpot_ms']:.0f} ms;"
+              f" one request alone {one['tpot_ms']:.1f} ms/token ({perf['source']})")
+    cap = capacity.plan_capacity(spec, capacity.Load(users=500), w, SLO(),
+                                 ["8xH200", "8xB200", "2x8xH100"])
+    rec = cap["recommended"]
+    print("demo: $ vlaunch capacity deepseek-r1 --users 500 --gpus 8xH200,8xB200,2x8xH100")
+    for o in cap["options"]:
+        if o["replicas"]:
+            print(f"    {o['gpus']:9} {o['parallel']['label']:12} {o['replicas']} replica(s), "
+                  f"{o['gpus_total']} GPUs, ${o['monthly_usd']:,.0f}/month (list price)")
+    if rec:
+        print(f"    recommended: {rec['replicas']} x {rec['gpus']}")
+
+
 def main() -> int:
     from .tinymodel import ensure_tiny_model
+
+    _decide()
 
     model = Path(ensure_tiny_model())
     print(f"demo: tiny DeepSeek-V3-architecture model at {model}")

@@ -451,7 +451,11 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
         errs = []
         for m in pts:
             w = Workload(int(m["input_len"]), int(m["output_len"]))
-            p = point(shape, w, float(m["concurrency"]))
+            engine = dataclasses.replace(
+                shape, max_num_seqs=int(m.get("max_num_seqs") or shape.max_num_seqs),
+                max_num_batched_tokens=int(m.get("max_num_batched_tokens")
+                                           or shape.max_num_batched_tokens))
+            p = point(engine, w, float(m["concurrency"]))
             errs.append(math.log(p.output_tokens_per_s / m["output_tokens_per_s"]))
             if m.get("tpot_ms"):
                 errs.append(math.log(p.tpot_ms / m["tpot_ms"]))

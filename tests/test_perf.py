@@ -169,3 +169,32 @@ def test_every_catalog_constant_is_positive_and_sourced():
         assert getattr(K, f.name) > 0 and not math.isnan(getattr(K, f.name))
 
 
+
+
+def test_calibration_is_recorded_and_plans_say_measured(tmp_path, monkeypatch):
+    """tune's points for one engine refit its scales; the next plan for the same key says
+    `source: measured`, another layout of the same family borrows the scales as `model`."""
+    from launcher import calibration
+
+    monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
+    spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")
+    pins = Pins(vllm_version="0.32.0", tp=1, kv_cache_dtype="auto")
+    d = make_plan(spec, hw, pins).to_dict()
+    assert d["performance"]["source"] == "model"
+    w = Workload(d["performance"]["input_len"], d["performance"]["output_len"])
+    a = make_plan(spec, hw, pins).performance
+    slow = dataclasses.replace(a.shape, constants=perf.scaled(K, perf.Calibration(3.0, 1.5, 0,
+                                                                                    0)))
+    pts = [{"concurrency": c, "input_len": w.input_len, "output_len": w.output_len,
+            "output_tokens_per_s": perf.point(slow, w, c).output_tokens_per_s,
+            "tpot_ms": perf.point(slow, w, c).tpot_ms} for c in (8, 64, 512)]
+    calibration.record(d, pts, "test")
+    again = make_plan(spec, hw, pins)
+    assert again.to_dict()["performance"]["source"] == "measured"
+    for c in (8, 64, 512):
+        want = perf.point(slow, w, c).output_tokens_per_s
+        got = perf.point(again.performance.shape, w, c).output_tokens_per_s
+        assert got == pytest.approx(want, rel=0.1)
+    other = make_plan(spec, hw, Pins(vllm_version="0.32.0", tp=2, kv_cache_dtype="auto"))
+    perf_d = other.to_dict()["performance"]
+    assert perf_d["source"] == "model" and "another layout" in perf_d["notes"][0]

@@ -199,7 +199,7 @@ def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
     def cost(o: Option) -> tuple:
         return (o.replicas is None, o.monthly_usd is None,
                 o.monthly_usd if o.monthly_usd is not None else o.gpus_total or 0,
-                o.gpus_total or 0)
+                o.usd_per_m or 0.0, o.gpus_total or 0)
 
     opts = []
     for shapes in groups:  # one GPU kind: keep its cheapest replica shape

@@ -121,10 +121,12 @@ def default_options(spec: ModelSpec) -> list[list[str]]:
     return out
 
 
-def _metric(a: Any, load: Load) -> float:
+def _metric(a: Any, load: Load, workload: Workload) -> float:
     if a is None or a.knee is None:
         return -1.0
-    return a.knee.concurrency if load.users is not None else a.knee.requests_per_s
+    if load.users is not None:
+        return a.knee.concurrency
+    return perf.open_loop_rate(a.shape, workload, a.knee.concurrency)
 
 
 def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, slo: SLO,
@@ -143,7 +145,7 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
         return opt
     best = max((a for a in plan.assessments.values() if a is not None
                 and a.candidate.max_model_len >= plan.chosen.max_model_len),
-               key=lambda a: _metric(a, load), default=None)
+               key=lambda a: _metric(a, load, workload), default=None)
     if best is None:
         opt.problem = f"no speed facts for {hw.kind.name} in the GPU catalog"
         return opt
@@ -164,7 +166,14 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
                        "requests_per_s": round(k.requests_per_s, 3),
                        "output_tokens_per_s": round(k.output_tokens_per_s, 1),
                        "tpot_ms": round(k.tpot_ms, 1), "ttft_ms": round(k.ttft_ms, 0)}
-    per = k.concurrency if load.users is not None else k.requests_per_s
+    # Users are a closed loop (the knee's concurrency); arrivals are Poisson, so a replica
+    # takes the rate whose random peaks still fit under the knee (perf.open_loop_rate).
+    open_rps = perf.open_loop_rate(best.shape, workload, k.concurrency)
+    opt.per_replica["open_loop_requests_per_s"] = round(open_rps, 3)
+    per = k.concurrency if load.users is not None else open_rps
+    if per <= 0:
+        opt.problem = "the knee is at one request: Poisson arrivals would queue past the SLO"
+        return opt
     want = (load.users if load.users is not None else load.rps) * (1 + headroom)
     active = max(1, math.ceil(want / per - 1e-9))
     opt.replicas = active + spare
@@ -234,7 +243,8 @@ def render(d: dict[str, Any]) -> str:
             lines.append(f"  {o['gpus']:13} {'-':12} {o['problem']}")
             continue
         pr = o["per_replica"]
-        per = f"{pr['max_concurrency']:,.0f} users/{pr['requests_per_s']:,.1f} rps"
+        per = (f"{pr['max_concurrency']:,.0f} users/"
+               f"{pr['open_loop_requests_per_s']:,.1f} rps")
         money = (f"{o['monthly_usd']:>11,.0f} {o['usd_per_million_output_tokens']:>11,.3f}"
                  if o["monthly_usd"] is not None else f"{'no price':>11} {'-':>11}")
         lines.append(f"  {o['gpus']:13} {o['parallel']['label']:12} {per:>22} "

@@ -369,6 +369,19 @@ def point(s: EngineShape, w: Workload, concurrency: float) -> Point:
                  why if per_engine >= cap else "none", comp > mem)
 
 
+def open_loop_rate(s: EngineShape, w: Workload, knee_concurrency: float) -> float:
+    """Requests/s of Poisson arrivals the engine takes within the SLO.
+
+    Closed-loop clients never arrive together; Poisson arrivals do. With requests in flight
+    C = rate x E2E (Little), random arrivals push the in-flight count about sqrt(C) above its
+    mean (square-root staffing, Halfin-Whitt), so the SLO holds while C + sqrt(C) <= the
+    closed-loop knee K: C = ((sqrt(4K + 1) - 1) / 2)^2, at that C's rate."""
+    if knee_concurrency <= 0:
+        return 0.0
+    c = ((math.sqrt(4 * knee_concurrency + 1) - 1) / 2) ** 2
+    return point(s, w, max(c, 1e-6)).requests_per_s if c >= 1 else 0.0
+
+
 def max_running(s: EngineShape, w: Workload) -> float:
     """Requests the whole deployment decodes at once at its limits."""
     return running_limit(s, w)[0] * s.dp

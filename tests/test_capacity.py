@@ -38,10 +38,17 @@ def test_replicas_follow_the_stated_arithmetic():
     assert d["recommended"]["gpus"] == "8xH100"
 
 
-def test_rps_uses_requests_per_second_at_the_knee():
+def test_rps_uses_the_open_loop_rate_under_the_knee():
+    # Poisson arrivals: in flight C = rate x E2E must leave sqrt(C) of room under the knee K,
+    # C + sqrt(C) = K, so a replica takes less than the closed-loop knee's requests/s.
     d = run(rps=20.0, prices={"H100": 2.0}, headroom=0.0)
     o = d["options"][0]
-    assert o["replicas"] == math.ceil(20.0 / o["per_replica"]["requests_per_s"])
+    pr = o["per_replica"]
+    k = pr["max_concurrency"]
+    c = ((math.sqrt(4 * k + 1) - 1) / 2) ** 2
+    assert c + math.sqrt(c) == pytest.approx(k)
+    assert pr["open_loop_requests_per_s"] < pr["requests_per_s"]
+    assert o["replicas"] == math.ceil(20.0 / pr["open_loop_requests_per_s"])
     # $ per million output tokens: the hourly bill over the tokens the load asks for.
     hourly = o["gpus_total"] * 2.0
     assert o["usd_per_million_output_tokens"] == pytest.approx(

@@ -38,6 +38,7 @@ class GPUKind:
     nvlink_gbps: float | None = None  # per GPU, one direction; None: PCIe only
     network_gbps: float | None = None  # scale-out per GPU, for multi-node layouts
     datacenter: bool = False
+    max_per_node: int = 8  # GPUs one server holds (HGX boards: 8); more needs NODESxCOUNT
     price_usd_per_hour: float | None = None
     price_source: str = ""
     price_date: str = ""
@@ -113,6 +114,8 @@ def _perf_fields(row: dict) -> dict:
                  for k in ("hbm_gbps", "bf16_tflops", "fp8_tflops", "nvlink_gbps",
                            "network_gbps")}
     out["datacenter"] = bool(row.get("datacenter"))
+    if row.get("max_per_node"):
+        out["max_per_node"] = int(row["max_per_node"])
     if price:
         out["price_usd_per_hour"] = float(price["usd_per_hour"])
         out["price_source"] = str(price.get("source", ""))
@@ -224,5 +227,10 @@ def parse_gpus(spec: str) -> Hardware:
     if nodes < 1 or per_node < 1:
         raise InputError(f"malformed --gpus '{spec}': counts must be at least 1")
     kind = sized_kind(name) if _SIZE.match(name.upper()) else gpu_kind(name)
+    if second is None and per_node > kind.max_per_node and not _SIZE.match(name.upper()):
+        nodes_needed = -(-per_node // kind.max_per_node)
+        raise InputError(f"--gpus {spec}: one node holds at most {kind.max_per_node} "
+                         f"{kind.name}; write nodes x GPUs per node, e.g. "
+                         f"{nodes_needed}x{kind.max_per_node}x{kind.name}")
     return Hardware(kind=kind, nodes=nodes, gpus_per_node=per_node,
                     total_bytes=kind.total_bytes, free_bytes=kind.total_bytes, source="spec")

@@ -275,7 +275,7 @@ def decode_step_s(s: EngineShape, batch: float, ctx: float) -> float:
     With PP the batch is split into one micro-batch per stage and a token crosses all stages."""
     k = s.constants
     b = max(batch, 1e-9)
-    micro = b / s.pp
+    micro = max(b / s.pp, min(b, 1.0))  # a request is never split across micro-batches
     moe = micro * (s.dp if s.expert_parallel else 1)
     fixed, mem, comp = step_parts(s, micro, micro * ctx, moe, micro * ctx * s.attn_decode_flops)
     stage = fixed + max(mem, comp)

@@ -104,6 +104,7 @@ class Candidate:
     max_num_batched_tokens: int
     fits: bool
     problem: str = ""
+    stages: list[dict[str, int]] = field(default_factory=list)  # per PP stage, limiting rank
 
     @property
     def concurrency(self) -> float:
@@ -172,7 +173,10 @@ class Plan:
         args += ["--max-model-len", str(c.max_model_len), "--kv-cache-dtype", c.kv_dtype]
         if self.kv_pinned:
             args += ["--kv-cache-memory-bytes", str(c.kv_memory)]
-        else:
+        if not (self.kv_pinned and self.hardware.is_cpu):
+            # With a pinned KV size vLLM skips profiling but still checks free memory against
+            # utilization x total (v1/worker/gpu_worker.py Worker.init_device ->
+            # v1/worker/utils.py request_memory): keep the utilization the plan chose.
             args += ["--gpu-memory-utilization", f"{c.utilization:.2f}"]
         args += ["--max-num-seqs", str(c.max_num_seqs),
                  "--max-num-batched-tokens", str(c.max_num_batched_tokens)]
@@ -226,6 +230,7 @@ class Plan:
                         "activation_bytes": c.activation, "cudagraph_bytes": c.cudagraph,
                         "non_torch_bytes": c.non_torch, "kv_cache_bytes": c.kv_memory},
             "max_concurrency": round(c.concurrency, 2),
+            "per_stage": c.stages if L.pp > 1 else [],
             "vllm_version": self.vllm_version,
             "vllm_args": self.vllm_args(),
             "env": self.env(),
@@ -280,24 +285,32 @@ def tp_allowed(spec: ModelSpec, tp: int) -> str | None:
 
 
 def layouts(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[B.Layout]:
-    """Layouts over all GPUs: TP within a node, PP across nodes, DP (+EP for MoE)."""
+    """Layouts over all GPUs. TP groups never straddle a node unless TP spans whole nodes
+    (TP16 on 2x8: valid in vLLM, ranked against TP8 x PP2 by the model's cross-node
+    all-reduce cost); PP stages inside a node or across nodes (vLLM places ranks TP-major,
+    so a stage is a TP group); DP (+EP for MoE) as engines; an EP group never larger than the
+    routed experts (vLLM cannot give a rank no expert)."""
     if hw.is_cpu:
         return [B.Layout()]
     total, per_node = hw.count, hw.gpus_per_node
+    tps = _divisors(per_node) + [per_node * k for k in _divisors(hw.nodes) if k > 1]
     out = []
-    for tp in _divisors(per_node):
+    for tp in tps:
         if pins.tp and tp != pins.tp or tp_allowed(spec, tp):
             continue
         for dp in _divisors(total // tp):
             pp = total // (tp * dp)
             if pins.pp and pp != pins.pp or pins.dp and dp != pins.dp:
                 continue
-            # PP spans nodes: one stage per node, each a whole node of TP ranks.
-            if pp > 1 and (dp > 1 or tp != per_node or pp != hw.nodes or pp > spec.num_layers):
+            if pp > 1 and (dp > 1 or pp > spec.num_layers):
+                continue
+            if tp > per_node and dp > 1:
                 continue
             ep = spec.is_moe and tp * dp > 1
             if pins.expert_parallel is not None:
                 ep = pins.expert_parallel and spec.is_moe
+            if ep and tp * dp > spec.num_experts:
+                continue
             out.append(B.Layout(tp=tp, pp=pp, dp=dp, expert_parallel=ep, nodes=hw.nodes))
     if pins.tp and not out:
         why = tp_allowed(spec, pins.tp) or (f"TP {pins.tp} does not fit {per_node} GPUs per node "
@@ -420,9 +433,15 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     elif not pins.max_model_len and length < min(MIN_CONTEXT, full):
         problem = f"only {usable:,} tokens of KV cache: below the {MIN_CONTEXT:,}-token minimum"
     seqs_final = pins.max_num_seqs or seqs
+    if not problem and tokens_cap < seqs_final:
+        problem = (f"max-num-batched-tokens {tokens_cap:,} is below max-num-seqs "
+                   f"{seqs_final:,}: vLLM refuses that (SchedulerConfig)")
+    stage_info = [{"layers": len(r), "weights_bytes": w,
+                   "kv_cache_bytes": blocks * kvs.page_bytes(block, len(r))}
+                  for r, w in zip(stages, weights, strict=True)]
     return Candidate(layout, kv_dtype, block, util, requested, max(weights), activation,
                      cudagraph, non_torch, kv_memory, per_token, blocks, tokens, length,
-                     seqs_final, tokens_cap, not problem, problem)
+                     seqs_final, tokens_cap, not problem, problem, stage_info)
 
 
 def _rank(c: Candidate) -> tuple:
@@ -583,6 +602,10 @@ def _tune_batch(spec: ModelSpec, hw: Hardware, best: Candidate, assessed: dict[i
     tokens = pins.max_num_batched_tokens
     if tokens is None and chunked:
         tokens, why = perfplan.choose_chunk(a, slo, best.max_num_batched_tokens)
+        need = seqs or best.max_num_seqs
+        if tokens < need:  # vLLM requires max_num_batched_tokens >= max_num_seqs
+            tokens = need
+            why += f", raised to max-num-seqs {need:,} (vLLM requires at least that)"
         notes.append(why)
     if seqs is None and (tokens is None or tokens == best.max_num_batched_tokens):
         reasons.extend(notes)

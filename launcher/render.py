@@ -51,6 +51,10 @@ def plan_text(d: dict[str, Any]) -> str:
                   f"  KV cache: {kv['tokens']:,} tokens per engine "
                   f"({kv['bytes_per_token']:,} B/token per GPU), max concurrency "
                   f"{d['max_concurrency']:.2f}x at {d['max_model_len']:,} tokens"]
+    if d["fits"] and d.get("per_stage"):
+        lines.append("  pipeline stages (one rank each): " + "; ".join(
+            f"{i}: {st['layers']} layers, weights {st['weights_bytes'] / GiB:.1f} GiB, "
+            f"KV {st['kv_cache_bytes'] / GiB:.1f} GiB" for i, st in enumerate(d["per_stage"])))
     if not d["fits"] and d.get("problem"):
         lines.append(f"  why it does not fit: {d['problem']}")
     lines.append("  per GPU (limiting rank):")

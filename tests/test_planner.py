@@ -108,6 +108,7 @@ def test_utilization_lowered_when_gpu_is_shared():
     (["plan", "deepseek-v3", "--gpus", "8xZ9"], "unknown GPU"),
     (["plan", "deepseek-v3", "--gpus", "8x/H200"], "malformed --gpus"),
     (["plan", "deepseek-v3", "--gpus", "8xH200", "--tp", "3"], "does not divide"),
+    (["plan", "deepseek-v3", "--gpus", "16xH100"], "2x8xH100"),
     (["plan", "deepseek-v3", "--gpus", "8xH200", "--gpu-memory-utilization", "1.5"], "(0, 1]"),
     (["plan", "deepseek-v3", "--gpus", "8xH200", "--max-model-len", "-5"], "positive"),
     (["plan", "deepseek-v3", "--gpus", "8xH200", "--kv-cache-dtype", "int3"], "kv-cache-dtype"),
@@ -164,7 +165,8 @@ def test_pin_kv_memory_passes_the_planned_bytes():
     p = plan("deepseek-v3", "8xH200", pin_kv_memory=True)
     args = p.vllm_args()
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(p.chosen.kv_memory)
-    assert "--gpu-memory-utilization" not in args
+    # vLLM still checks free memory against utilization x total (request_memory): kept.
+    assert args[args.index("--gpu-memory-utilization") + 1] == f"{p.chosen.utilization:.2f}"
     assert any("pin-kv-memory" in w for w in p.warnings)
 
 
@@ -224,3 +226,41 @@ def test_checkpoint_index_is_the_ground_truth_for_weights(tmp_path):
     assert d["per_gpu"]["weights_bytes"] == pytest.approx(2 * counted["per_gpu"]["weights_bytes"],
                                                           abs=2)
     assert any("checkpoint index" in w for w in d["warnings"])
+
+
+def test_pipeline_parallel_inside_a_node_and_tp_across_nodes():
+    # TP x PP <= GPUs per node is valid: TP4 x PP2 on one 8-GPU node, with its stages shown.
+    p = plan("llama-3.1-70b", "8xH100", tp=4, pp=2, max_model_len=8192)
+    assert p.fits and (p.chosen.layout.tp, p.chosen.layout.pp) == (4, 2)
+    d = p.to_dict()
+    assert [s["layers"] for s in d["per_stage"]] == [40, 40]
+    # blocks x 16 tokens x 40 layers x (K, V) x 2 KV heads per rank x 128 x 2 B
+    assert all(s["kv_cache_bytes"] == d["kv_cache"]["blocks"] * 16 * 40 * 2 * 2 * 128 * 2
+               for s in d["per_stage"])
+    assert "pipeline stages" in CliRunner().invoke(
+        cli, ["plan", "llama-3.1-70b", "--gpus", "8xH100", "--tp", "4", "--pp", "2",
+              "--max-model-len", "8192"]).output
+    # TP16 across two nodes is a layout vLLM runs; the planner plans it when pinned.
+    t16 = plan("deepseek-r1", "2x8xH100", tp=16)
+    assert t16.fits and t16.chosen.layout.tp == 16 and t16.chosen.layout.nodes == 2
+
+
+def test_expert_parallel_never_exceeds_the_routed_experts():
+    from launcher.model import spec_from_config
+
+    small = {"model_type": "deepseek_v3", "hidden_size": 1024, "num_hidden_layers": 4,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 256,
+             "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+             "v_head_dim": 64, "intermediate_size": 2048, "moe_intermediate_size": 256,
+             "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+             "first_k_dense_replace": 1, "vocab_size": 4096, "max_position_embeddings": 8192}
+    spec = spec_from_config(small, name="four-experts")
+    from launcher.planner import layouts
+
+    lays = layouts(spec, parse_gpus("8xH100"), Pins())
+    assert lays and all(L.tp * L.dp <= 4 for L in lays if L.expert_parallel)
+
+
+def test_batched_tokens_below_max_num_seqs_is_not_a_plan():
+    p = plan("llama-3.1-8b", "1xH100", max_num_seqs=512, max_num_batched_tokens=256)
+    assert not p.fits and "max-num-batched-tokens" in p.chosen.problem

@@ -507,6 +507,54 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
     sys.exit(status)
 
 
+@cli.command("doctor")
+@click.argument("source", required=False)
+@click.argument("model", required=False)
+@click.option("--plan", "plan_path", type=click.Path(),
+              help="plan.json (or its folder) the failed run was started from: fixes are "
+                   "re-planned from it.")
+@plan_options
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="json: {diagnoses: [...]}, the first the root cause.")
+def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpus: str | None,
+               fmt: str, **kw) -> None:
+    """Say why a vLLM start failed, which memory consumer to attack, and the exact fix.
+
+    SOURCE is a vLLM log, a folder of logs, or - for stdin (kubectl logs POD | vlaunch doctor
+    -). With --plan, or MODEL (and --gpus and plan options), each fix is re-planned by the
+    planner with what the log measured. Exit 0 when no failure is found, 1 when one is, 2 for
+    bad input.
+    """
+    import json
+
+    from . import doctor
+
+    if source is None:
+        if sys.stdin.isatty():
+            raise InputError("pass a vLLM log file, a folder of logs, or - to read stdin")
+        source = "-"
+    if plan_path and model:
+        raise InputError("give either --plan or MODEL, not both")
+    if not model and (gpus or any(v not in (None, False) for k, v in kw.items()
+                                  if k != "objective")):
+        raise InputError("--gpus and plan options describe a MODEL: vlaunch doctor LOG MODEL "
+                         "--gpus ...")
+    ctx = None
+    if plan_path:
+        from .emit import load_plan
+
+        ctx = doctor.context_from_plan(load_plan(plan_path))
+    elif model:
+        goals = split_goals(kw)
+        ctx = doctor.context_from_model(model, gpus, _pins(**kw), goals, _hardware(gpus))
+    report, names = doctor.diagnose(source, ctx)
+    if fmt == "json":
+        click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
+    else:
+        click.echo(doctor.render(report, names))
+    sys.exit(1 if report.diagnoses else 0)
+
+
 def main() -> None:
     try:
         cli(prog_name="vlaunch")

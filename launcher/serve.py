@@ -113,6 +113,28 @@ def replan_pins(pins: Pins, plan: Plan, failure: vllmlog.Failure) -> tuple[Pins,
     return None
 
 
+def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra: list[str],
+                 transient_retried: bool) -> tuple[Pins, list[str], str, bool] | None:
+    """(pins, extra vLLM flags, why, same flags?) for the start after `failure`; None to stop.
+
+    A deterministic failure is retried only with changed flags, re-planned from what the failed
+    start measured; a transient one (`failure.transient`: memory changed during profiling, an
+    NCCL timeout) may be retried once with the same flags. Both per issue 12, item 5.
+    """
+    if failure is None:
+        return None
+    fix = replan_pins(pins, plan, failure)
+    if fix is not None:
+        new_pins, why = fix
+        new_extra = _drop_flag(extra, "--max-model-len") if new_pins.max_model_len else extra
+        if (new_pins, new_extra) != (pins, extra):
+            return new_pins, new_extra, why, False
+    if failure.transient and not transient_retried:
+        return pins, extra, (f"{failure.cause or failure.kind} is transient; retrying once "
+                             "with the same flags"), True
+    return None
+
+
 def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], dict[str, Any]]:
     """Predicted vs actual per component, with the error; and the numbers as a dict."""
     kv, per_gpu = plan["kv_cache"], plan["per_gpu"]
@@ -156,6 +178,7 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
     user_port = arg_value(extra, "--port")
     api_port = int(user_port) if user_port else (port or free_port())
+    transient_retried = False
     for number in range(1, max_attempts + 1):
         plan = make_plan(spec, hw, pins, **(goals or {}))
         if plan_hook:
@@ -215,12 +238,11 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
                 if outcome.reason == "interrupted":
                     result.exit_code = outcome.returncode or 130
                     return result
-                fix = replan_pins(pins, plan, failure) if failure else None
-                if fix is None or number == max_attempts:
+                step = next_attempt(pins, plan, failure, extra, transient_retried)
+                if step is None or number == max_attempts:
                     break
-                pins, why = fix
-                extra = [a for a in _drop_flag(extra, "--max-model-len")] \
-                    if pins.max_model_len else extra
+                pins, extra, why, same_flags = step
+                transient_retried = transient_retried or same_flags
                 out(f"vlaunch: re-planning: {why}")
                 continue
             actual = runner.read_actual()

@@ -21,6 +21,7 @@ Public API:
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
@@ -172,37 +173,7 @@ DEVICE_OOM = "DEVICE_OOM"
 INSUFFICIENT_FREE_MEMORY = "INSUFFICIENT_FREE_MEMORY"
 OTHER = "OTHER"
 
-# "To serve at least one request with the model's max seq len (4096), (0.01 GiB KV cache is
-# needed, which is larger than the available KV cache memory (0.01 GiB). Based on the available
-# memory, the estimated maximum model length is 2880. ..." Older versions: "models's".
-_KV_SHORT = re.compile(
-    r"To serve at least one request with the models?'s max seq len \((\d+)\),? "
-    r"\(" + _FLOAT + r" GiB KV cache is needed, which is larger than the available KV cache "
-    r"memory \(" + _FLOAT + r" GiB\)\.(?: Based on the available memory, the estimated "
-    r"maximum model length is (\d+)\.)?"
-)
-_NO_KV = re.compile(r"No available memory for the cache blocks")
-_OOM = re.compile(
-    r"CUDA out of memory|torch\.(?:cuda\.)?OutOfMemoryError|CUDA error: out of memory"
-)
-# GPU: "Free memory on device cuda:0 (70.1/79.2 GiB) on startup is less than desired GPU memory
-# utilization (0.92, 72.9 GiB). ..." CPU: "Available memory on node 0 (...) on startup is less
-# than desired CPU memory utilization (...)" or "... on kv cache allocation is less than
-# requested memory for kv (...)".
-_FREE_MEM = re.compile(
-    r"(?:Free|Available) memory on (?:device|node) (\S+) \("
-    + _FLOAT
-    + "/"
-    + _FLOAT
-    + r" GiB\) on (?:startup|kv cache allocation) is less than "
-    r"(?:desired (?:GPU|CPU) memory utilization \(" + _FLOAT + ", " + _FLOAT + r" GiB\)"
-    r"|requested memory for kv)"
-)
-# A Python exception line, as vLLM prints at the end of a failed start-up.
-_EXC = re.compile(r"^(?:.*\] )?((?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception)): (.+)$", re.M)
-_WRAPPER = re.compile(
-    r"Engine core initialization failed|EngineCore encountered an issue|See root cause above"
-)
+# The messages behind each kind, with their vLLM sources and versions: launcher/doctor.py RULES.
 
 
 @dataclass
@@ -220,54 +191,29 @@ class Failure:
     requested_utilization: float | None = None
     requested_gib: float | None = None
     details: dict[str, str] = field(default_factory=dict)
+    # The doctor's cause (launcher/doctor.py RULES) and whether the same flags may be retried
+    # once (memory changed during profiling, an NCCL timeout); a deterministic failure never is.
+    cause: str | None = None
+    transient: bool = False
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
 
 
-def _line_of(text: str, m: re.Match[str]) -> str:
-    start = text.rfind("\n", 0, m.start()) + 1
-    end = text.find("\n", m.end())
-    return text[start : end if end >= 0 else len(text)].strip()[:2000]
-
-
 def classify_failure(text: str) -> Failure | None:
-    """The reason a start-up failed, most specific first; None if the log shows no error.
+    """The reason a start-up failed (the root cause); None if the log shows no error.
 
-    Order matters: a KV shortage also ends in a generic "ValueError" and "Engine core
-    initialization failed", so the generic fallback comes last.
+    Delegates to `launcher.doctor`, whose table of vLLM's messages also finds the first real
+    error behind the "Engine core initialization failed. See root cause above" wrappers; the
+    kinds and numbers stay what serve's re-planning reads (KV_SHORTAGE, NO_KV_MEMORY,
+    DEVICE_OOM, INSUFFICIENT_FREE_MEMORY, OTHER).
     """
-    if m := _last(_KV_SHORT, text):
-        return Failure(
-            kind=KV_SHORTAGE,
-            message=_line_of(text, m),
-            max_model_len=int(m.group(1)),
-            needed_kv_gib=float(m.group(2)),
-            available_kv_gib=float(m.group(3)),
-            estimated_max_model_len=int(m.group(4)) if m.group(4) else None,
-        )
-    if m := _last(_NO_KV, text):
-        return Failure(kind=NO_KV_MEMORY, message=_line_of(text, m))
-    if m := _last(_OOM, text):
-        return Failure(kind=DEVICE_OOM, message=_line_of(text, m))
-    if m := _last(_FREE_MEM, text):
-        return Failure(
-            kind=INSUFFICIENT_FREE_MEMORY,
-            message=_line_of(text, m),
-            free_gib=float(m.group(2)),
-            total_gib=float(m.group(3)),
-            requested_utilization=float(m.group(4)) if m.group(4) else None,
-            requested_gib=float(m.group(5)) if m.group(5) else None,
-            details={"device": m.group(1)},
-        )
-    excs = list(_EXC.finditer(text))
-    if excs:
-        # vLLM ends every failed start with wrapper errors ("Engine core initialization
-        # failed. See root cause above."); the root cause is the last error before those.
-        causes = [m for m in excs if not _WRAPPER.search(m.group(2))] or excs
-        m = causes[-1]
-        return Failure(kind=OTHER, message=_line_of(text, m), details={"exception": m.group(1)})
-    return None
+    from . import doctor
+
+    root = doctor.classify(text)
+    if root is None:
+        return None
+    return doctor.to_failure(root, sys.modules[__name__])
 
 
 # --- progress --------------------------------------------------------------------------------

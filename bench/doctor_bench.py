@@ -1,0 +1,80 @@
+"""`make bench`: how fast `vlaunch doctor` diagnoses a 50,000-line vLLM log.
+
+The log is what a long-lived deployment leaves: a start-up, then tens of thousands of request,
+stats and warning lines from 8 ranks, then the failure of a restart (8 ranks out of memory,
+wrapped) at the end. The issue asks for well under a second; the scan is timed in-process (the
+library, what `serve`/`tune` call) and through the command line (Python's start included).
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from launcher import doctor
+
+ROOT = Path(__file__).resolve().parents[1]
+FAILURE = ROOT / "tests" / "fixtures" / "doctor" / "ranks8_oom_tp8.log"
+LINES = 50_000
+
+
+def build_log(path: Path, lines: int = LINES) -> int:
+    """Write a `lines`-line log ending in an 8-rank failure; returns the line count."""
+    tail = FAILURE.read_text().splitlines()
+    body = lines - len(tail)
+    with path.open("w") as f:
+        for i in range(body):
+            r = i % 8
+            kind = i % 5
+            if kind == 0:
+                f.write(f"(APIServer pid=1) INFO 11-30 10:{i // 3600 % 60:02d}:{i // 60 % 60:02d} "
+                        f"[loggers.py:283] Engine 000: Avg prompt throughput: {i % 977}.0 "
+                        f"tokens/s, Avg generation throughput: {i % 313}.4 tokens/s, Running: "
+                        f"{i % 64} reqs, Waiting: 0 reqs, GPU KV cache usage: 41.2%\n")
+            elif kind == 1:
+                f.write(f'INFO:     10.0.{r}.{i % 250}:{40000 + i % 9999} - "POST /v1/chat/'
+                        'completions HTTP/1.1" 200 OK\n')
+            elif kind == 2:
+                f.write(f"(Worker_TP{r} pid={300 + r}) WARNING 11-30 10:00:00 [utils.py:99] "
+                        f"request {i} preempted: KV cache usage above watermark\n")
+            elif kind == 3:
+                f.write(f"(EngineCore pid=200) DEBUG 11-30 10:00:00 [core.py:1] step {i} "
+                        f"scheduled {i % 128} tokens for {i % 64} requests\n")
+            else:
+                f.write(f"(APIServer pid=1) INFO 11-30 10:00:00 [logger.py:43] Received request "
+                        f"chatcmpl-{i:08x}: prompt: 'hello world number {i}', params: "
+                        "SamplingParams(n=1, temperature=0.7, max_tokens=256)\n")
+        f.write("\n".join(tail) + "\n")
+    return body + len(tail)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "vllm.log"
+        n = build_log(log)
+        samples = []
+        for _ in range(5):
+            t = time.perf_counter()
+            report, _ = doctor.diagnose(str(log))
+            samples.append(time.perf_counter() - t)
+        root = report.root
+        assert root is not None and root.cause == "cuda_oom" and root.ranks == 8, root
+        cli = []
+        for _ in range(3):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "launcher.cli", "doctor", str(log)],
+                           capture_output=True, check=False)
+            cli.append(time.perf_counter() - t)
+        print(f"`vlaunch doctor` on a {n:,}-line log ({log.stat().st_size / 1e6:.1f} MB): "
+              f"library median {statistics.median(samples) * 1000:.0f} ms "
+              f"(best {min(samples) * 1000:.0f} ms); command line median "
+              f"{statistics.median(cli) * 1000:.0f} ms; root cause {root.cause} on "
+              f"{root.ranks} ranks")
+
+
+if __name__ == "__main__":
+    main()

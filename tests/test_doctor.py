@@ -1,0 +1,371 @@
+# ruff: noqa: E501  (log lines are kept verbatim)
+"""`vlaunch doctor` on fixture logs written from vLLM's message formats (tests/fixtures/doctor).
+
+Every fixture is in one table below with the diagnosis it must get: cause, phase, consumer and
+the exact fix. The `unknown_*` logs hold errors the doctor has no rule for: they must come out
+`unknown` with their error lines and no fix, never as a false cause. Fast: no engine.
+
+The 0.32.0 lines follow the format strings in the installed vLLM source (cited in
+launcher/doctor.py RULES). Older wordings ("models's", "GB", no estimate; "Free memory on device
+(...)" without a device; raw-byte profiling errors) and older prefixes ("(VllmWorker rank=0
+pid=...)", no prefix) are written from those releases' format strings; the version numbers in
+those fixtures' banners are illustrative, not a verified release mapping.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from launcher import doctor, vllmlog
+from launcher.cli import cli
+from launcher.errors import InputError
+from launcher.hardware import parse_gpus
+from launcher.planner import Pins
+
+FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
+
+# name: (cause, phase, consumer, fix_args, fix_env). fix_args None: checked separately.
+EXPECTED: dict[str, tuple[str, str, str, list[str] | None, dict[str, str]]] = {
+    "kv_short_v032_cpu.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "2864"], {}),
+    "kv_short_models_estimate.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "90880"], {}),
+    # no estimate in the earliest wording: 32768 x 2.00/4.00, less 2%
+    "kv_short_oldest_gb.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "16056"], {}),
+    "kv_short_kubectl_timestamps.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "90880"], {}),
+    "ranks8_kv_short_dp8.log": ("kv_cache_too_small", "starting", "kv_cache", ["--max-model-len", "90880"], {}),
+    "restart_appended.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "7424"], {}),
+    "no_kv_weights.log": ("no_kv_cache_memory", "kv_cache", "weights", ["--gpu-memory-utilization", "0.95"], {}),
+    "no_kv_cudagraph_estimate.log": ("no_kv_cache_memory", "profiling", "cuda_graphs", [], {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0"}),
+    "no_kv_activations.log": ("no_kv_cache_memory", "profiling", "activations", ["--max-num-batched-tokens", "32768"], {}),
+    "no_kv_cpu_zero.log": ("no_kv_cache_memory", "kv_cache", "kv_cache", [], {}),
+    # utilization at most free/total less 1%, rounded down: 30.12/79.19 = 0.380 -> 0.37
+    "free_mem_v032.log": ("free_memory_below_utilization", "starting", "co_tenant", ["--gpu-memory-utilization", "0.37"], {}),
+    "free_mem_old_no_device.log": ("free_memory_below_utilization", "starting", "co_tenant", ["--gpu-memory-utilization", "0.56"], {}),
+    "free_mem_cpu_node.log": ("free_memory_below_utilization", "starting", "co_tenant", ["--gpu-memory-utilization", "0.32"], {}),
+    # 90% of the 1.5 GiB free
+    "free_mem_cpu_kv.log": ("free_memory_below_utilization", "profiling", "co_tenant", ["--kv-cache-memory-bytes", str(int(1.5 * 0.9 * (1 << 30)))], {}),
+    "free_mem_external_weights.log": ("free_memory_below_utilization", "starting", "co_tenant", ["--gpu-memory-utilization", "0.24"], {}),
+    "mem_profiling_v032.log": ("memory_changed_during_profiling", "profiling", "co_tenant", [], {}),
+    "mem_profiling_old_bytes.log": ("memory_changed_during_profiling", "profiling", "co_tenant", [], {}),
+    "oom_loading_weights.log": ("cuda_oom", "loading_weights", "weights", ["--tensor-parallel-size", "8"], {}),
+    "oom_profiling.log": ("cuda_oom", "profiling", "activations", ["--max-num-batched-tokens", "16384"], {}),
+    "oom_graph_profiling.log": ("cuda_oom", "profiling", "cuda_graphs", ["--gpu-memory-utilization", "0.90"], {}),
+    "oom_graph_capture.log": ("cuda_oom", "capturing_graphs", "cuda_graphs", ["--gpu-memory-utilization", "0.87"], {}),
+    "oom_kv_allocation.log": ("cuda_oom", "kv_cache", "kv_cache", ["--gpu-memory-utilization", "0.85"], {}),
+    "ranks8_oom_tp8.log": ("cuda_oom", "profiling", "activations", ["--max-num-batched-tokens", "8192"], {}),
+    "oom_sampler_warmup.log": ("sampler_warmup_oom", "profiling", "activations", ["--max-num-seqs", "512"], {}),
+    "host_oom_loading.log": ("host_oom_killed", "loading_weights", "weights", [], {}),
+    "host_oom_shell_killed.log": ("host_oom_killed", "loading_weights", "weights", [], {}),
+    "nccl_error.log": ("nccl_error", "starting", "none", [], {}),
+    "nccl_timeout.log": ("nccl_timeout", "profiling", "none", [], {}),
+    "kv_dtype_no_backend.log": ("kv_cache_dtype_unsupported", "starting", "kv_cache", ["--kv-cache-dtype", "auto"], {}),
+    "kv_dtype_triton_mla_old.log": ("kv_cache_dtype_unsupported", "starting", "kv_cache", ["--kv-cache-dtype", "auto"], {}),
+    "kv_dtype_cpu_first_request.log": ("kv_cache_dtype_unsupported", "ready", "kv_cache", ["--kv-cache-dtype", "auto"], {}),
+    "kv_dtype_invalid_choice.log": ("invalid_kv_cache_dtype", "starting", "kv_cache", ["--kv-cache-dtype", "auto"], {}),
+    "quant_capability.log": ("quantization_unsupported", "starting", "weights", [], {}),
+    "missing_module.log": ("missing_module", "starting", "none", [], {}),
+    "port_in_use_uvicorn.log": ("port_in_use", "starting", "none", None, {}),
+    "model_not_on_hub.log": ("model_not_found", "starting", "none", [], {}),
+    "hub_unreachable.log": ("hub_unreachable", "starting", "none", [], {}),
+    "hub_gated.log": ("hub_access_denied", "starting", "none", [], {}),
+    "engine_ready_timeout.log": ("engine_ready_timeout", "loading_weights", "none", [], {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}),
+    "max_len_exceeds_model.log": ("max_model_len_exceeds_model", "starting", "none", ["--max-model-len", "163840"], {}),
+    "tp_not_divisible.log": ("tp_not_divisible", "starting", "none", ["--tensor-parallel-size", "8"], {}),
+}
+
+# name: a piece of the error line that must be in the evidence.
+UNKNOWN = {
+    "unknown_keyerror_weights.log": "KeyError: 'model.layers.0.mlp.gate.e_score_correction_bias'",
+    "unknown_empty_env_int.log": "invalid literal for int() with base 10",
+    "unknown_config_json.log": "JSONDecodeError",
+    "unknown_tokenizer_enum.log": "untagged enum ModelWrapper",
+    "unknown_safetensors_header.log": "HeaderTooLarge",
+    "unknown_shape_mismatch.log": "is invalid for input of size 2048",
+    "unknown_unexpected_kwarg.log": "unexpected keyword argument 'rope_scaling_type'",
+    "unknown_permission_cache.log": "Permission denied",
+    "unknown_illegal_memory_access.log": "an illegal memory access was encountered",
+    "unknown_no_space.log": "No space left on device",
+    "unknown_architecture.log": "are not supported for now",
+    "unknown_request_too_long.log": "longer than the maximum model length of 4096",
+}
+
+
+def _diagnose(name: str, ctx=None) -> doctor.Report:
+    return doctor.diagnose(str(FIXTURES / name), ctx)[0]
+
+
+def test_every_fixture_is_checked_and_the_corpus_is_big_enough():
+    on_disk = {p.name for p in FIXTURES.glob("*.log")}
+    assert on_disk == set(EXPECTED) | set(UNKNOWN)
+    assert len(EXPECTED) >= 25 and len(UNKNOWN) >= 10
+    assert len({v[0] for v in EXPECTED.values()}) >= 18  # kinds of failure, not one kind 25 times
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture_diagnosis(name: str):
+    cause, phase, consumer, fix_args, fix_env = EXPECTED[name]
+    report = _diagnose(name)
+    assert len(report.diagnoses) == 1, [d.cause for d in report.diagnoses]
+    d = report.root
+    assert (d.cause, d.phase, d.consumer) == (cause, phase, consumer)
+    assert d.consumer in doctor.CONSUMERS and d.phase in doctor.PHASES
+    if fix_args is not None:
+        assert d.fix_args == fix_args
+    assert d.fix_env == fix_env
+    assert d.evidence and d.explain
+    # a fix with flags comes with the `vlaunch serve` command that applies it
+    if d.fix_args and report.facts.arg("model"):
+        assert d.serve_command and d.serve_command.startswith("vlaunch serve ")
+        for flag in d.fix_args[::2]:
+            assert doctor._VLAUNCH_PINS.get(flag, flag) in d.serve_command
+
+
+@pytest.mark.parametrize("name", sorted(UNKNOWN))
+def test_unrelated_errors_are_unknown_with_their_lines_and_no_fix(name: str):
+    report = _diagnose(name)
+    assert [d.cause for d in report.diagnoses] == ["unknown"]
+    d = report.root
+    assert any(UNKNOWN[name] in e for e in d.evidence), d.evidence
+    assert d.fix_args == [] and d.fix_env == {} and d.serve_command is None
+    # wrapper and traceback-frame lines are not the error
+    assert not any("See root cause above" in e or e.endswith("load_weights()") for e in d.evidence)
+
+
+def test_port_fix_is_a_port_free_here():
+    d = _diagnose("port_in_use_uvicorn.log").root
+    assert d.fix_args[0] == "--port" and int(d.fix_args[1]) >= 8001
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", int(d.fix_args[1])))
+
+
+def test_port_in_use_skips_a_busy_port():
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert doctor.next_free_port(port) != port
+
+
+def test_eight_ranks_failing_the_same_way_are_one_diagnosis():
+    for name in ("ranks8_oom_tp8.log", "ranks8_kv_short_dp8.log"):
+        report = _diagnose(name)
+        assert len(report.diagnoses) == 1
+        assert report.root.ranks == 8
+    # the engine core's "Worker failed with error '...CUDA out of memory...'" echo is no rank
+    d = _diagnose("ranks8_oom_tp8.log").root
+    assert all("Worker failed with error" not in e for e in d.evidence[:4])
+
+
+def test_one_rank_is_one():
+    assert _diagnose("oom_profiling.log").root.ranks == 1
+
+
+def test_restart_appended_diagnoses_the_last_launch():
+    report = _diagnose("restart_appended.log")
+    assert report.launches == 2
+    assert [d.cause for d in report.diagnoses] == ["kv_cache_too_small"]
+
+
+def test_root_cause_is_the_first_direct_error_not_the_exit_code():
+    text = (FIXTURES / "oom_profiling.log").read_text().replace(
+        "Failed core proc(s): {'EngineCore': 1}", "Failed core proc(s): {'EngineCore': -9}")
+    report = doctor.scan_text(text)
+    assert [d.cause for d in report.diagnoses] == ["cuda_oom", "host_oom_killed"]
+
+
+def test_transient_failures_are_marked():
+    assert _diagnose("mem_profiling_v032.log").root.transient
+    assert _diagnose("nccl_timeout.log").root.transient
+    assert not _diagnose("kv_short_v032_cpu.log").root.transient
+    assert not _diagnose("nccl_error.log").root.transient
+
+
+def test_numbers_from_vllms_message():
+    d = _diagnose("kv_short_models_estimate.log").root
+    assert d.numbers == {"max_model_len": "163840", "needed": "10.72", "unit": "GiB",
+                         "available": "5.95", "estimate": "90880"}
+    d = _diagnose("free_mem_v032.log").root
+    assert (d.numbers["device"], d.numbers["free"], d.numbers["total"]) == ("cuda:0", "30.12", "79.19")
+
+
+def test_phases_follow_vllms_markers():
+    lines = [
+        ("(APIServer pid=1) INFO 11-30 10:00:00 [api_utils.py:286] non-default args: {'model': 'm'}", "starting"),
+        ("(Worker_TP0 pid=3) INFO 11-30 10:00:01 [gpu_model_runner.py:5040] Starting to load model m...", "loading_weights"),
+        ("(Worker_TP0 pid=3) INFO 11-30 10:00:02 [gpu_model_runner.py:5150] Model loading took 78.45 GiB memory and 1.0 seconds", "profiling"),
+        ("(Worker_TP0 pid=3) INFO 11-30 10:00:03 [gpu_worker.py:760] Available KV cache memory: 40.5 GiB", "kv_cache"),
+        ("(Worker_TP0 pid=3) INFO 11-30 10:00:04 [gpu_model_runner.py:6582] Graph capturing finished in 28 secs, took 0.98 GiB", "capturing_graphs"),
+        ("(EngineCore pid=2) INFO 11-30 10:00:05 [core.py:403] init engine (profile, create kv cache, warmup model) took 60.00 s", "ready"),
+        ("(APIServer pid=1) INFO 11-30 10:00:06 [loggers.py:283] Engine 000: Avg prompt throughput: 1.0 tokens/s", "serving"),
+    ]
+    for line, phase in lines:
+        assert doctor.phase_of(split := doctor.split_line(1, line).content)[0] == phase, split
+    assert [p for _, p in lines] == list(doctor.PHASES)
+    report = doctor.scan_text("\n".join(x for x, _ in lines))
+    assert report.phase == "serving" and report.diagnoses == []
+    assert report.facts.number("weights_gib") == 78.45
+
+
+def test_warnings_that_mention_failures_are_not_failures():
+    text = (
+        "(APIServer pid=1) WARNING 11-30 10:00:00 [x.py:1] lowering max_num_seqs avoids CUDA out of memory\n"
+        "(APIServer pid=1) INFO 11-30 10:00:01 [x.py:1] Port 8000 is already in use, trying port 8001\n"
+        "INFO:     Application startup complete.\n"
+    )
+    report = doctor.scan_text(text)
+    assert report.diagnoses == []
+
+
+def test_overlong_lines_are_cut_and_the_error_after_them_still_found():
+    big = "(APIServer pid=1) INFO 11-30 10:00:00 [x.py:1] config: " + "x" * 1_000_000 + "\n"
+    text = big + "ValueError: No available memory for the cache blocks. Try increasing ...\n"
+    report, _ = doctor.scan_source("-", stdin=io.StringIO(text))
+    assert report.root.cause == "no_kv_cache_memory"
+    assert report.lines == 2
+
+
+def test_vllmlog_classify_failure_delegates_with_its_kinds():
+    kv = vllmlog.classify_failure((FIXTURES / "kv_short_models_estimate.log").read_text())
+    assert kv.kind == vllmlog.KV_SHORTAGE and kv.estimated_max_model_len == 90880
+    assert (kv.max_model_len, kv.needed_kv_gib, kv.available_kv_gib) == (163840, 10.72, 5.95)
+    assert kv.cause == "kv_cache_too_small" and not kv.transient
+    free = vllmlog.classify_failure((FIXTURES / "free_mem_external_weights.log").read_text())
+    assert free.kind == vllmlog.INSUFFICIENT_FREE_MEMORY
+    assert (free.free_gib, free.total_gib, free.requested_utilization, free.requested_gib) == (20.0, 79.19, 0.9, 40.5)
+    oom = vllmlog.classify_failure((FIXTURES / "oom_sampler_warmup.log").read_text())
+    assert oom.kind == vllmlog.DEVICE_OOM
+    prof = vllmlog.classify_failure((FIXTURES / "mem_profiling_v032.log").read_text())
+    assert prof.kind == vllmlog.OTHER and prof.transient
+    unk = vllmlog.classify_failure((FIXTURES / "unknown_keyerror_weights.log").read_text())
+    assert unk.kind == vllmlog.OTHER and unk.details["exception"] == "KeyError"
+
+
+# --- fixes computed by the planner --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h200_ctx() -> doctor.PlanContext:
+    return doctor.context_from_model("deepseek-v3", "8xH200", Pins(), {}, parse_gpus("8xH200"))
+
+
+def test_planner_fix_for_kv_shortage_uses_the_measured_estimate(h200_ctx):
+    d = _diagnose("ranks8_kv_short_dp8.log", h200_ctx).root
+    assert d.fix_args == ["--max-model-len", "90880"]
+    assert d.serve_command == "vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 --max-model-len 90880"
+    assert d.explain[0].startswith("re-planned by vlaunch's planner")
+
+
+def test_planner_fix_for_kv_dtype_and_graphs(h200_ctx):
+    assert _diagnose("kv_dtype_no_backend.log", h200_ctx).root.fix_args == ["--kv-cache-dtype", "auto"]
+    assert _diagnose("oom_graph_capture.log", h200_ctx).root.fix_args == ["--enforce-eager"]
+
+
+def test_planner_keeps_the_log_fix_when_the_replan_does_not_fit(h200_ctx):
+    d = _diagnose("free_mem_v032.log", h200_ctx).root
+    assert d.fix_args == ["--gpu-memory-utilization", "0.37"]
+    assert any("does not fit" in x for x in d.explain)
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def test_cli_json_shape_and_exit_codes(tmp_path: Path):
+    runner = CliRunner()
+    r = runner.invoke(cli, ["doctor", str(FIXTURES / "ranks8_oom_tp8.log"), "--format", "json"])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.output)
+    (d,) = doc["diagnoses"]
+    assert set(d) >= {"cause", "phase", "consumer", "ranks", "evidence", "fix_args", "explain"}
+    assert (d["cause"], d["ranks"], d["fix_args"]) == ("cuda_oom", 8, ["--max-num-batched-tokens", "8192"])
+    clean = tmp_path / "ok.log"
+    clean.write_text("(APIServer pid=1) INFO 11-30 10:00:00 [entry.py:140] Starting vLLM server on http://0.0.0.0:8000\n")
+    r = runner.invoke(cli, ["doctor", str(clean)])
+    assert r.exit_code == 0 and "no failure found" in r.output
+
+
+def test_cli_reads_stdin_and_a_folder(tmp_path: Path):
+    runner = CliRunner()
+    text = (FIXTURES / "kv_short_v032_cpu.log").read_text()
+    r = runner.invoke(cli, ["doctor", "-"], input=text)
+    assert r.exit_code == 1 and "kv_cache_too_small" in r.output and "fix: --max-model-len 2864" in r.output
+    (tmp_path / "notes.txt").write_text("nothing to see\n")
+    (tmp_path / "vllm-attempt1.log").write_text(text)
+    r = runner.invoke(cli, ["doctor", str(tmp_path), "--format", "json"])
+    doc = json.loads(r.output)
+    assert doc["sources"] == [str(tmp_path / "vllm-attempt1.log")]
+    assert doc["diagnoses"][0]["cause"] == "kv_cache_too_small"
+
+
+def test_cli_with_a_plan_file(tmp_path: Path, h200_ctx):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(h200_ctx.plan.to_dict()))
+    r = CliRunner().invoke(cli, ["doctor", str(FIXTURES / "ranks8_kv_short_dp8.log"), "--plan", str(plan), "--format", "json"])
+    d = json.loads(r.output)["diagnoses"][0]
+    assert d["fix_args"] == ["--max-model-len", "90880"]
+    assert d["serve_command"].startswith("vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 1x8xH200")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["/no/such/log"], "no such log"),
+    (["EMPTY"], "is empty"),
+    (["DIR"], "no vLLM logs in"),
+    (["LOG", "deepseek-v3", "--plan", "p.json"], "either --plan or MODEL"),
+    (["LOG", "--gpus", "8xH200"], "describe a MODEL"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str):
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    folder = tmp_path / "d"
+    folder.mkdir()
+    subs = {"EMPTY": str(empty), "DIR": str(folder), "LOG": str(FIXTURES / "nccl_error.log")}
+    r = CliRunner().invoke(cli, ["doctor", *[subs.get(a, a) for a in args]])
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("vlaunch: error:")
+
+
+def test_unreadable_log_is_an_input_error(tmp_path: Path, monkeypatch):
+    log = tmp_path / "vllm.log"
+    log.write_text("ValueError: No available memory for the cache blocks.\n")
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "open", denied)
+    with pytest.raises(InputError, match="cannot read"):
+        doctor.scan_source(str(log))
+
+
+# --- serve's retries use the same classifier (issue 12, item 5) ----------------------------------
+
+
+def test_serve_never_retries_a_deterministic_failure_with_the_same_flags(h200_ctx):
+    from launcher.serve import next_attempt
+
+    failure = vllmlog.classify_failure((FIXTURES / "ranks8_kv_short_dp8.log").read_text())
+    pins, plan = h200_ctx.pins, h200_ctx.plan
+    new_pins, extra, why, same = next_attempt(pins, plan, failure, [], False)
+    assert (new_pins.max_model_len, extra, same) == (90880, [], False)
+    # the re-planned pins are what already failed: stop, whatever the transient budget
+    assert next_attempt(new_pins, plan, failure, [], False) is None
+    # a user's own --max-model-len was what failed: dropping it changes the flags
+    step = next_attempt(new_pins, plan, failure, ["--max-model-len", "163840"], False)
+    assert step is not None and step[1] == [] and step[3] is False
+    other = vllmlog.classify_failure((FIXTURES / "missing_module.log").read_text())
+    assert other.kind == "OTHER" and next_attempt(pins, plan, other, [], False) is None
+
+
+def test_serve_retries_a_transient_failure_once_with_the_same_flags(h200_ctx):
+    from launcher.serve import next_attempt
+
+    pins, plan = h200_ctx.pins, h200_ctx.plan
+    for name in ("mem_profiling_v032.log", "nccl_timeout.log"):
+        failure = vllmlog.classify_failure((FIXTURES / name).read_text())
+        step = next_attempt(pins, plan, failure, ["--seed", "1"], False)
+        assert step == (pins, ["--seed", "1"], step[2], True) and "transient" in step[2]
+        assert next_attempt(pins, plan, failure, ["--seed", "1"], True) is None

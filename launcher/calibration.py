@@ -2,7 +2,7 @@
 
 One record per engine configuration: model, GPU, count, layout, KV dtype and vLLM version (the
 key), the measured points (concurrency, lengths, output tokens/s, TPOT, TTFT) and the
-performance model's fixed and roofline scales refitted to them at record time. A plan for the
+performance model's fixed, decode and prefill scales refitted to them at record time. A plan for the
 same key says `source: measured`; a plan for another layout of the same model on the same
 hardware and vLLM version borrows the scales (the engine's software overheads carry over, the
 shapes are recomputed). Stored beside the capability lessons, written atomically.
@@ -67,8 +67,9 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path
     cal = perf.calibrate(shape, entry["points"]) if shape else None
     if cal:
         entry.update(fixed_scale=cal.fixed_scale, roofline_scale=cal.roofline_scale,
-                     median_error=cal.median_error)
+                     prefill_scale=cal.prefill_scale, median_error=cal.median_error)
     data[k] = entry
+    _store().parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(_store(), json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

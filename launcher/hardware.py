@@ -39,6 +39,7 @@ class GPUKind:
     network_gbps: float | None = None  # scale-out per GPU, for multi-node layouts
     datacenter: bool = False
     max_per_node: int = 8  # GPUs one server holds (HGX boards: 8); more needs NODESxCOUNT
+    gemm_m_half: float | None = None  # rows where GEMMs reach half speed; None: perf default
     price_usd_per_hour: float | None = None
     price_source: str = ""
     price_date: str = ""
@@ -114,6 +115,8 @@ def _perf_fields(row: dict) -> dict:
                  for k in ("hbm_gbps", "bf16_tflops", "fp8_tflops", "nvlink_gbps",
                            "network_gbps")}
     out["datacenter"] = bool(row.get("datacenter"))
+    if row.get("gemm_m_half"):
+        out["gemm_m_half"] = float(row["gemm_m_half"])
     if row.get("max_per_node"):
         out["max_per_node"] = int(row["max_per_node"])
     if price:

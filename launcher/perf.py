@@ -30,6 +30,7 @@ measured (`Calibration`), and plans for that engine then say `source: measured`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +183,8 @@ def engine_shape(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_bytes_per_t
     kind = hw.kind
     if not kind.hbm_gbps or not kind.bf16_tflops:
         return None
+    if kind.gemm_m_half:
+        constants = dataclasses.replace(constants, gemm_m_half=kind.gemm_m_half)
     fp8_weights = spec.quant.method.startswith("fp8")
     tflops = kind.fp8_tflops if fp8_weights and kind.fp8_tflops else kind.bf16_tflops
     dense_p, expert_p, _ = B.memo("active", spec, B.Layout(), lambda: _active_counts(spec))
@@ -435,60 +438,75 @@ def binding(s: EngineShape, w: Workload, k: Point | None, slo: SLO) -> str:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Scales refitted from one engine's measured points (`vlaunch tune`)."""
+    """Scales refitted from one engine's measured points (`vlaunch tune`): fixed costs, decode
+    rooflines and prefill, each a multiplier on the time it models (1.0: as the model says)."""
 
     fixed_scale: float
     roofline_scale: float
     points: int
     median_error: float
+    prefill_scale: float = 1.0
 
 
 def scaled(c: Constants, cal: Calibration) -> Constants:
-    """Constants with the fixed costs and efficiencies scaled by a calibration."""
-    f, r = cal.fixed_scale, cal.roofline_scale
+    """Constants with the fixed costs, the decode rooflines and prefill scaled by a
+    calibration (a time scale s divides an efficiency by s)."""
+    f, r, p = cal.fixed_scale, cal.roofline_scale, cal.prefill_scale
     return dataclasses.replace(
         c, layer_us=c.layer_us * f, moe_layer_us=c.moe_layer_us * f,
         allreduce_us=c.allreduce_us * f, network_us=c.network_us * f, step_us=c.step_us * f,
         bw_efficiency=c.bw_efficiency / r, compute_efficiency=c.compute_efficiency / r,
-        prefill_efficiency=c.prefill_efficiency / r)
+        prefill_efficiency=c.prefill_efficiency / p)
+
+
+CAL_GRID = tuple(2.0 ** i for i in range(-8, 9))
+"""Scales tried for every combination of the three: 1/256 to 256 in steps of 2 (the loss has
+separate valleys: prefill and decode trade against each other), then refined locally."""
 
 
 def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | None:
-    """Fit the fixed and roofline scales that best predict measured output tokens/s and TPOT
-    (least squares in log space over a geometric grid, then a finer one around the best)."""
+    """Fit the fixed, decode and prefill scales that best predict measured output tokens/s
+    (weighted double: it is what capacity and goodput rest on) and TPOT, by coordinate
+    descent in log space over a geometric grid, then a finer one. Each point is replayed on
+    its own engine limits (max_num_seqs, max_num_batched_tokens) when it carries them."""
     pts = [m for m in measured if m.get("output_tokens_per_s") and m.get("concurrency")
            and m.get("input_len") and m.get("output_len")]
     if not pts:
         return None
+    engines = []
+    for m in pts:
+        engines.append((m, Workload(int(m["input_len"]), int(m["output_len"])),
+                        dataclasses.replace(
+                            s, max_num_seqs=int(m.get("max_num_seqs") or s.max_num_seqs),
+                            max_num_batched_tokens=int(m.get("max_num_batched_tokens")
+                                                       or s.max_num_batched_tokens))))
 
-    def loss(f: float, r: float) -> tuple[float, list[float]]:
-        shape = dataclasses.replace(s, constants=scaled(s.constants, Calibration(f, r, 0, 0)))
-        errs = []
-        for m in pts:
-            w = Workload(int(m["input_len"]), int(m["output_len"]))
-            engine = dataclasses.replace(
-                shape, max_num_seqs=int(m.get("max_num_seqs") or shape.max_num_seqs),
-                max_num_batched_tokens=int(m.get("max_num_batched_tokens")
-                                           or shape.max_num_batched_tokens))
-            p = point(engine, w, float(m["concurrency"]))
-            errs.append(math.log(p.output_tokens_per_s / m["output_tokens_per_s"]))
-            if m.get("tpot_ms"):
-                errs.append(math.log(p.tpot_ms / m["tpot_ms"]))
-        return sum(e * e for e in errs), errs
+    def errors(x: tuple[float, float, float]) -> list[tuple[float, float]]:
+        k = scaled(s.constants, Calibration(x[0], x[1], 0, 0, x[2]))
+        out = []
+        for m, w, engine in engines:
+            p = point(dataclasses.replace(engine, constants=k), w, float(m["concurrency"]))
+            e_tput = math.log(p.output_tokens_per_s / m["output_tokens_per_s"])
+            e_tpot = math.log(p.tpot_ms / m["tpot_ms"]) if m.get("tpot_ms") else 0.0
+            out.append((e_tput, e_tpot))
+        return out
 
-    best = (float("inf"), 1.0, 1.0)
-    grid = [2 ** (i / 2) for i in range(-16, 17)]
-    for f in grid:
-        for r in grid:
-            value = loss(f, r)[0]
-            if value < best[0]:
-                best = (value, f, r)
-    _, f0, r0 = best
-    for f in (f0 * 2 ** (i / 16) for i in range(-8, 9)):
-        for r in (r0 * 2 ** (i / 16) for i in range(-8, 9)):
-            value = loss(f, r)[0]
-            if value < best[0]:
-                best = (value, f, r)
-    _, f, r = best
-    errs = sorted(abs(math.expm1(e)) for e in loss(f, r)[1])
-    return Calibration(f, r, len(pts), errs[len(errs) // 2])
+    def loss(x: tuple[float, float, float]) -> float:
+        return sum(2 * a * a + b * b for a, b in errors(x))
+
+    best = (1.0, 1.0, 1.0)
+    best_loss = loss(best)
+    for x in itertools.product(CAL_GRID, repeat=3):
+        value = loss(x)
+        if value < best_loss:
+            best, best_loss = x, value
+    for _ in range(3):  # coordinate refinement in steps of 2^(1/8)
+        for i in range(3):
+            for j in range(-8, 9):
+                v = min(max(best[i] * 2 ** (j / 8), CAL_GRID[0]), CAL_GRID[-1])
+                x = tuple(v if k == i else best[k] for k in range(3))
+                value = loss(x)
+                if value < best_loss:
+                    best, best_loss = x, value
+    tput = sorted(abs(math.expm1(a)) for a, _ in errors(best))
+    return Calibration(best[0], best[1], len(pts), tput[len(tput) // 2], best[2])

@@ -1,0 +1,434 @@
+"""`vlaunch tune` without vLLM: the bookkeeping, the knee search and the CLI's input checks.
+
+The end-to-end tests run the real Tuner, VllmRunner and process supervision against a stand-in
+server (a small script below that logs like vLLM, serves /health, /v1/models, /v1/completions
+and its own argv on /args, and dies with vLLM's KV-shortage error when its pinned KV memory
+is tiny) and a stand-in load generator whose latencies follow a simple queueing model of the
+flags that server was started with. The engine tests (`test_tune_engine.py`) do it for real.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import textwrap
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from launcher import tune as T
+from launcher.cli import cli
+from launcher.emit import load_plan
+from launcher.errors import InputError
+from launcher.hardware import parse_gpus
+from launcher.loadgen import LoadSpec, summarize
+from launcher.model import load_model
+from launcher.planner import Pins
+from launcher.runner import VllmRunner, arg_value
+from launcher.tinymodel import config_dict
+from launcher.workload import SLO, Workload
+
+FAKE_VLLM = textwrap.dedent(
+    r"""
+    import http.server, json, os, subprocess, sys
+
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    name = args[args.index("--served-model-name") + 1] if "--served-model-name" in args \
+        else args[args.index("--model") + 1]
+    with open(os.environ["FAKE_STARTS"], "a") as f:
+        f.write(json.dumps(args) + "\n")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("(APIServer pid=1) INFO [api_utils.py:286] non-default args: {}", flush=True)
+    print("(Worker pid=2) INFO [cpu_model_runner.py:68] Starting to load model", flush=True)
+    kv = int(args[args.index("--kv-cache-memory-bytes") + 1]) \
+        if "--kv-cache-memory-bytes" in args else 10**9
+    if kv < 10**6:
+        print("(EngineCore pid=1) ERROR [core.py:1510] ValueError: To serve at least one request "
+              "with the model's max seq len (4096), (0.01 GiB KV cache is needed, which is larger "
+              "than the available KV cache memory (0.00 GiB). Based on the available memory, the "
+              "estimated maximum model length is 128. Try increasing ...", flush=True)
+        print("RuntimeError: Engine core initialization failed. See root cause above.", flush=True)
+        child.kill()
+        sys.exit(1)
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/v1/models":
+                self._send({"data": [{"id": name}]})
+            elif self.path == "/args":
+                self._send(args)
+            else:
+                self._send({})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._send({"choices": [{"text": " hi"}], "usage": {"completion_tokens": 2}})
+
+    srv = http.server.HTTPServer(("127.0.0.1", port), H)
+    print("INFO:     Application startup complete.", flush=True)
+    srv.serve_forever()
+    """
+)
+
+
+def synthetic_raw(args: list[str], spec: LoadSpec) -> dict[str, Any]:
+    """vLLM's result dict for a server started with `args`, from a queueing model: up to
+    max_num_seqs requests decode together (TPOT grows with the batch); the rest wait."""
+    seqs = int(arg_value(args, "--max-num-seqs") or 128)
+    c, n, out = spec.concurrency, spec.num_prompts, spec.output_len
+    batch = min(c, seqs)
+    tpot = 0.005 + 0.002 * batch
+    service = 0.05 + 0.02 * batch + out * tpot
+    wait = max(0.0, c / seqs - 1) * service
+    ttft = 0.05 + 0.02 * batch + wait
+    latency = ttft + (out - 1) * tpot
+    rps = batch / service
+    good = ttft * 1000 <= (spec.slo_ttft_ms or math.inf) and tpot * 1000 <= (
+        spec.slo_tpot_ms or math.inf)
+    return {"duration": n / rps, "completed": n, "failed": 0, "request_throughput": rps,
+            "request_goodput": rps if good else 0.0, "output_throughput": rps * out,
+            "mean_ttft_ms": ttft * 1000, "median_ttft_ms": ttft * 1000,
+            "p99_ttft_ms": ttft * 1000, "mean_tpot_ms": tpot * 1000,
+            "median_tpot_ms": tpot * 1000, "p99_tpot_ms": tpot * 1000,
+            "ttfts": [ttft] * n, "latencies": [latency] * n, "output_lens": [out] * n}
+
+
+class FakeLoadgen:
+    """Stands in for launcher.loadgen.LoadGenerator: asks the fake server for its flags."""
+
+    calls: list[LoadSpec] = []
+    hook = None  # called with the number of calls so far, e.g. to send a signal
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+
+    def run(self, spec: LoadSpec, timeout: float = 600, heartbeat=None) -> dict[str, Any]:
+        FakeLoadgen.calls.append(spec)
+        if FakeLoadgen.hook:
+            FakeLoadgen.hook(len(FakeLoadgen.calls))
+        if heartbeat:
+            heartbeat(0.0)
+        with urllib.request.urlopen(spec.base_url + "/args", timeout=5) as r:
+            args = json.loads(r.read())
+        return summarize(synthetic_raw(args, spec), spec)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> FakeLoadgen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """(runner_factory, starts file, spawned runners)."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    starts = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("FAKE_STARTS", str(starts))
+    monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path / "cache"))
+    made: list[VllmRunner] = []
+
+    def factory(args, env, **kw):
+        kw["poll_interval"] = 0.05
+        r = VllmRunner(args, env=env, command=[sys.executable, str(script)], **kw)
+        made.append(r)
+        return r
+
+    FakeLoadgen.calls = []
+    FakeLoadgen.hook = None
+    return factory, starts, made
+
+
+@pytest.fixture()
+def tiny_spec(tmp_path: Path):
+    """The tiny model's config only (the fake server loads nothing)."""
+    d = tmp_path / "tiny-deepseek-v3"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config_dict()))
+    return load_model(str(d))
+
+
+def _opts(tmp_path: Path, **kw) -> T.TuneOptions:
+    base = {"workload": Workload(64, 32), "slo": SLO(ttft_ms=1500, tpot_ms=60),
+            "budget_s": 300.0, "max_starts": 3, "output": tmp_path / "out"}
+    base.update(kw)
+    return T.TuneOptions(**base)
+
+
+def _run(spec, opts, factory, lines=None):
+    lines = [] if lines is None else lines
+    return T.tune(spec, parse_gpus("cpu"), Pins(), opts, out=lines.append,
+                  runner_factory=factory, loadgen_factory=FakeLoadgen)
+
+
+def _started(starts: Path) -> list[list[str]]:
+    if not starts.exists():
+        return []
+    return [json.loads(line) for line in starts.read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+@pytest.mark.parametrize("text,seconds", [("20m", 1200), ("90s", 90), ("1h30m", 5400),
+                                          ("45", 45), ("1.5h", 5400)])
+def test_parse_budget(text: str, seconds: float):
+    assert T.parse_budget(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0", "20x", "", "m", "-5m", "0s"])
+def test_parse_budget_rejects(text: str):
+    with pytest.raises(InputError):
+        T.parse_budget(text)
+
+
+def test_rung_sizes_spend_at_most_max_starts():
+    for n in range(1, 12):
+        for starts in range(1, 12):
+            sizes = T.rung_sizes(n, starts)
+            assert sum(sizes) <= starts
+            assert sizes[0] <= n
+            assert all(a > b for a, b in zip(sizes, sizes[1:], strict=False)), sizes
+    assert T.rung_sizes(10, 6) == [4, 2]
+    assert T.rung_sizes(10, 9) == [6, 3]
+    assert T.rung_sizes(3, 3, rungs=1) == [3]
+    assert T.rung_sizes(1, 6) == [1]
+
+
+def test_knee_search_finds_the_knee_within_resolution():
+    knee = 23
+    seen: list[int] = []
+
+    def probe(c: int) -> bool:
+        seen.append(c)
+        return c <= knee
+
+    s = T.KneeSearch(probe, max_concurrency=256, resolution=1.25)
+    lo, hi = s.run()
+    assert lo <= knee < hi and hi / lo <= 1.25 and s.bounded
+    assert len(seen) == len(set(seen)) <= 10
+    assert seen[:6] == [1, 2, 4, 8, 16, 32]
+
+
+def test_knee_search_edges():
+    s = T.KneeSearch(lambda c: False, max_concurrency=64)
+    assert s.run() == (0, 1)
+    s = T.KneeSearch(lambda c: True, max_concurrency=48)
+    assert s.run() == (48, None) and not s.bounded
+    # from a hint above the knee it walks down, then bisects
+    s = T.KneeSearch(lambda c: c <= 10, max_concurrency=256, resolution=1.25, hint=40)
+    lo, hi = s.run()
+    assert lo <= 10 < hi <= 12
+
+
+def test_fragile_when_the_verdict_flips_within_ten_percent():
+    slo = SLO(ttft_ms=1000, tpot_ms=50)
+    spec = LoadSpec("http://x", "m", "m", 64, 32, 4, 10, slo_ttft_ms=1000, slo_tpot_ms=50)
+    raw = {"completed": 10, "failed": 0, "duration": 1.0, "request_throughput": 10,
+           "request_goodput": 10, "output_throughput": 320, "output_lens": [32] * 10,
+           "ttfts": [0.2] * 10, "latencies": [0.2 + 31 * 0.030] * 10}
+    assert not T.fragile(summarize(raw, spec), slo)
+    raw["latencies"] = [0.2 + 31 * 0.049] * 10  # 49 ms per token: within 10% of 50
+    assert T.fragile(summarize(raw, spec), slo)
+
+
+def test_candidates_from_the_planner_rank_layouts_and_keep_baseline_minimal():
+    spec = load_model("deepseek-v2-lite")
+    hw = parse_gpus("2xH100")
+    base, cands, _ = T.build_candidates(spec, hw, Pins(), Workload(1024, 1024), SLO(),
+                                        "balanced")
+    assert base.source == "baseline"
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-dtype",
+                 "--enforce-eager", "--enable-chunked-prefill"):
+        assert flag not in base.vllm_args
+    assert arg_value(base.vllm_args, "--max-model-len") == "2048"  # the workload, rounded up
+    assert cands and all(c.plan["fits"] for c in cands)
+    assert len({c.key for c in cands} | {base.key}) == len(cands) + 1
+    layouts = [json.dumps(c.plan["parallel"], sort_keys=True) for c in cands]
+    n_layouts = len(set(layouts))
+    assert n_layouts > 1
+    # the best of every layout comes first, each group by predicted goodput
+    assert len(set(layouts[:n_layouts])) == n_layouts
+    rest = [c.predicted["score"] for c in cands[n_layouts:]]
+    assert rest == sorted(rest, reverse=True)
+    lead = [c.predicted["score"] for c in cands[:n_layouts]]
+    assert lead == sorted(lead, reverse=True)
+
+
+def test_candidates_refuse_a_context_shorter_than_the_workload(tiny_spec):
+    with pytest.raises(InputError, match="shorter than the workload"):
+        T.build_candidates(tiny_spec, parse_gpus("cpu"), Pins(max_model_len=64),
+                           Workload(64, 32), SLO(), "balanced")
+
+
+# ----------------------------------------------------------------------------- fake engine
+
+
+INFEASIBLE = ["--max-model-len", "4096", "--kv-cache-memory-bytes", "1000"]
+
+
+def test_tune_end_to_end_on_a_fake_engine(tmp_path: Path, fake_engine, tiny_spec):
+    factory, starts, made = fake_engine
+    opts = _opts(tmp_path, max_starts=4, user_candidates=[INFEASIBLE, ["--max-num-seqs", "8"]])
+    lines: list[str] = []
+    status, doc = _run(tiny_spec, opts, factory, lines)
+    assert status == 0, lines
+    started = _started(starts)
+    assert len(started) == doc["starts"] <= 4
+    assert all(not r.group_pids() for r in made), "a fake vLLM process survived"
+
+    saved = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert saved["recommended"] == doc["recommended"]
+    for key in ("vllm_version", "hardware", "started_at", "finished_at", "workload", "slo",
+                "baseline", "recommended", "trials"):
+        assert key in saved, key
+    statuses = {t["status"] for t in saved["trials"]}
+    assert statuses <= set(T.STATUSES)
+
+    bad = [t for t in saved["trials"] if t["source"] == "user" and "1000" in t["vllm_args"]]
+    assert len(bad) == 1 and bad[0]["status"] == "infeasible"
+    assert bad[0]["cause"].startswith("KV_SHORTAGE")
+    assert sum("1000" in a for a in started) == 1, "the infeasible flags started twice"
+
+    ok = [t for t in saved["trials"] if t["status"] == "ok"]
+    assert len(ok) >= 2 and all(t["results"] and t["knee"] for t in ok)
+    for t in ok:
+        knee = t["knee"]
+        met = {p["concurrency"] for p in t["results"] if p["slo_met"]}
+        missed = {p["concurrency"] for p in t["results"] if not p["slo_met"]}
+        assert knee["concurrency"] == max(met)
+        if knee["bounded"]:
+            assert knee["first_miss"] == min(missed) > knee["concurrency"]
+        else:
+            assert not missed
+
+    rec, base = saved["recommended"], saved["baseline"]
+    assert rec["measured"]["goodput_rps"] >= base["measured"]["goodput_rps"]
+    assert rec["measured"]["goodput_rps"] == max(t["knee"]["goodput_rps"] for t in ok
+                                                 if t["rung"] == rec["rung"])
+    # every finished trial taught the performance model (launcher.calibration) its points
+    assert all(t["calibration"].endswith("calibration.json") for t in ok), [
+        t["calibration"] for t in ok]
+    stored = json.loads((tmp_path / "cache" / "calibration.json").read_text())
+    assert sum(len(e["points"]) for e in stored.values()) >= len(ok[0]["results"])
+    plan = load_plan(tmp_path / "out" / "plan.json")
+    assert plan["tuned"]["concurrency"] == rec["concurrency"]
+    assert "recommended:" in "\n".join(lines)
+
+
+def test_resume_skips_finished_trials_and_never_restarts_infeasible(tmp_path: Path, fake_engine,
+                                                                     tiny_spec):
+    factory, starts, _ = fake_engine
+    opts = _opts(tmp_path, max_starts=3, rungs=1, user_candidates=[INFEASIBLE])
+    status, first = _run(tiny_spec, opts, factory)
+    assert status == 0 and len(_started(starts)) == 3
+    finished = {(t["name"], t["status"]) for t in first["trials"]
+                if t["status"] in ("ok", "infeasible")}
+    assert ("vLLM defaults", "ok") in finished
+    assert any(s == "infeasible" for _, s in finished)
+
+    status, second = _run(tiny_spec, _opts(tmp_path, max_starts=3, rungs=1, resume=True,
+                                           user_candidates=[INFEASIBLE]), factory)
+    assert status == 0
+    assert len(_started(starts)) == 3, "resume started an engine for a finished trial"
+    assert second["starts"] == 0
+    again = {(t["name"], t["status"]) for t in second["trials"] if t.get("resumed")}
+    assert again == finished
+    assert second["recommended"]["measured"] == first["recommended"]["measured"]
+
+
+def test_sigterm_stops_the_engine_keeps_points_and_exits_143(tmp_path: Path, fake_engine,
+                                                            tiny_spec):
+    factory, starts, made = fake_engine
+
+    def hook(n: int) -> None:
+        if n == 4:  # during the first trial's knee search (call 1 is the warm-up)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    FakeLoadgen.hook = hook
+    lines: list[str] = []
+    status, doc = _run(tiny_spec, _opts(tmp_path), factory, lines)
+    assert status == 128 + signal.SIGTERM
+    assert any(s.startswith("best so far") for s in lines), lines[-3:]
+    assert doc["best_so_far"]["concurrency"] >= 2 and doc["recommended"] is None
+    assert doc["status"] == "interrupted by SIGTERM"
+    assert len(_started(starts)) == 1
+    assert all(not r.group_pids() for r in made)
+    saved = json.loads((tmp_path / "out" / "tune.json").read_text())
+    first = saved["trials"][0]
+    assert first["status"] == "failed" and "interrupted" in first["cause"]
+    assert len(first["results"]) >= 2
+
+
+def test_budget_too_small_for_another_start_skips_it(tmp_path: Path, fake_engine, tiny_spec):
+    factory, starts, _ = fake_engine
+    tuner = T.Tuner(tiny_spec, parse_gpus("cpu"), Pins(), _opts(tmp_path, rungs=1),
+                    out=lambda s: None, runner_factory=factory, loadgen_factory=FakeLoadgen)
+    tuner.startup_times = [10_000.0]  # as if a start had taken hours
+    assert tuner.run() == 0
+    assert _started(starts) == []
+    assert all(t["status"] == "skipped" for t in tuner.doc["trials"])
+    assert "budget" in tuner.doc["trials"][0]["cause"]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budget", "0"], "--budget must be more than zero"),
+    (["--budget", "20x"], "malformed --budget"),
+    (["--max-starts", "0"], "--max-starts must be at least 1"),
+    (["--candidate", "max-num-seqs 4"], "--candidate"),
+    (["--slo", "ttft=fast"], "--slo"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tiny_spec):
+    r = CliRunner().invoke(cli, ["tune", tiny_spec.path, "--gpus", "cpu", *args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_cli_unknown_model_and_unwritable_output(tmp_path: Path, tiny_spec):
+    r = CliRunner().invoke(cli, ["tune", "no-such-model", "--gpus", "cpu"])
+    assert r.exit_code == 2 and "unknown model" in r.output
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = CliRunner().invoke(cli, ["tune", tiny_spec.path, "--gpus", "cpu", "--output",
+                                 str(blocker / "sub")])
+    assert r.exit_code == 2 and "--output" in r.output and "Traceback" not in r.output
+
+
+def test_plot_draws_measured_curves_or_says_why_not(tmp_path: Path, fake_engine, tiny_spec):
+    factory, _, _ = fake_engine
+    lines: list[str] = []
+    status, _ = _run(tiny_spec, _opts(tmp_path, max_starts=1, plot=True), factory, lines)
+    assert status == 0
+    png = tmp_path / "out" / "tune.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not png.exists() and any("--plot needs matplotlib" in s for s in lines)
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

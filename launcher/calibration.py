@@ -67,7 +67,8 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path
     cal = perf.calibrate(shape, entry["points"]) if shape else None
     if cal:
         entry.update(fixed_scale=cal.fixed_scale, roofline_scale=cal.roofline_scale,
-                     prefill_scale=cal.prefill_scale, median_error=cal.median_error)
+                     prefill_scale=cal.prefill_scale, request_scale=cal.request_scale,
+                     median_error=cal.median_error)
     data[k] = entry
     _store().parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(_store(), json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -17,8 +17,8 @@ costs the larger of two rooflines plus fixed costs:
 
 Prefill is compute-bound: a prompt's tokens cost their FLOPs at `prefill_efficiency`. With
 chunked prefill the chunks ride in decode steps, so every prompt adds its compute to the steps
-of the requests already running (TPOT rises with concurrency x prompt length / answer length)
-and waits behind the other prompts being prefilled (TTFT queueing). Closed-loop concurrency C
+of the requests already running and waits behind the others: closed-loop clients with fixed
+lengths move in waves, so half of the other prompts land in TTFT and half in TPOT. Closed-loop concurrency C
 then gives, by Little's law, C / (TTFT + (output - 1) x TPOT) requests per second.
 
 The constants are fitted once to public vLLM measurements (`bench/perf_bench.py` prints the fit
@@ -79,10 +79,6 @@ class Constants:
 
 
 DEFAULT = Constants()
-
-MAX_RHO = 0.95
-"""Cap on the prefill share of engine time in the TTFT queueing term (keeps it finite)."""
-
 
 # ----------------------------------------------------------------------------- engine shape
 
@@ -356,11 +352,13 @@ def point(s: EngineShape, w: Workload, concurrency: float) -> Point:
     else:  # a whole prompt is its own step (V0, MLA on the CPU backend)
         own = prefill_step_s(s, w.input_len, 0, 0)
         prefill_add = own
-    # While one request decodes, the other running requests' prompts ride in its steps.
-    tpot = t_dec + max(b - 1, 0) * prefill_add / steps
-    cycle = steps * t_dec + b * prefill_add  # engine time in which b requests complete
-    rho = min(b * prefill_add / cycle, MAX_RHO) if cycle else 0.0
-    ttft = own / (1 - rho) + t_dec / 2 + s.constants.request_us * 1e-6
+    # Closed-loop clients with fixed lengths (benchmarks, batch jobs) move in waves: the other
+    # b - 1 prompts of a wave are prefilled once per cycle, on average half of them before a
+    # request's first token (TTFT) and half in the steps it decodes in (TPOT). Every request's
+    # E2E carries all of them: own + (b - 1) x prefill + (O - 1) x decode step.
+    others = max(b - 1, 0) * prefill_add
+    tpot = t_dec + others / 2 / steps
+    ttft = own + others / 2 + t_dec / 2 + s.constants.request_us * 1e-6
     e2e = ttft + steps * tpot
     rate = b / e2e  # requests per second one engine completes while saturated
     if per_engine > b:  # the rest wait for a slot: Little's law on the closed loop
@@ -439,36 +437,39 @@ def binding(s: EngineShape, w: Workload, k: Point | None, slo: SLO) -> str:
 @dataclass(frozen=True)
 class Calibration:
     """Scales refitted from one engine's measured points (`vlaunch tune`): fixed costs, decode
-    rooflines and prefill, each a multiplier on the time it models (1.0: as the model says)."""
+    rooflines, prefill and the per-request overhead before the first token, each a multiplier
+    on the time it models (1.0: as the model says)."""
 
     fixed_scale: float
     roofline_scale: float
     points: int
     median_error: float
     prefill_scale: float = 1.0
+    request_scale: float = 1.0
 
 
 def scaled(c: Constants, cal: Calibration) -> Constants:
-    """Constants with the fixed costs, the decode rooflines and prefill scaled by a
-    calibration (a time scale s divides an efficiency by s)."""
+    """Constants with each group of costs scaled by a calibration (a time scale s divides an
+    efficiency by s and multiplies a fixed cost by s)."""
     f, r, p = cal.fixed_scale, cal.roofline_scale, cal.prefill_scale
     return dataclasses.replace(
         c, layer_us=c.layer_us * f, moe_layer_us=c.moe_layer_us * f,
         allreduce_us=c.allreduce_us * f, network_us=c.network_us * f, step_us=c.step_us * f,
         bw_efficiency=c.bw_efficiency / r, compute_efficiency=c.compute_efficiency / r,
-        prefill_efficiency=c.prefill_efficiency / p)
+        prefill_efficiency=c.prefill_efficiency / p,
+        request_us=c.request_us * cal.request_scale)
 
 
 CAL_GRID = tuple(2.0 ** i for i in range(-8, 9))
-"""Scales tried for every combination of the three: 1/256 to 256 in steps of 2 (the loss has
-separate valleys: prefill and decode trade against each other), then refined locally."""
+"""Scales tried: 1/256 to 256 in steps of 2 (the loss has separate valleys: prefill and decode
+trade against each other), every combination of the first three, then refined one at a time."""
 
 
 def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | None:
-    """Fit the fixed, decode and prefill scales that best predict measured output tokens/s
-    (weighted double: it is what capacity and goodput rest on) and TPOT, by coordinate
-    descent in log space over a geometric grid, then a finer one. Each point is replayed on
-    its own engine limits (max_num_seqs, max_num_batched_tokens) when it carries them."""
+    """Fit the fixed, decode, prefill and per-request scales that best predict measured output
+    tokens/s (weighted double: capacity and goodput rest on it), TPOT and TTFT (half weight),
+    in log space: a grid over the first three, then coordinate refinement of all four. Each
+    point is replayed on its own engine limits (max_num_seqs, max_num_batched_tokens)."""
     pts = [m for m in measured if m.get("output_tokens_per_s") and m.get("concurrency")
            and m.get("input_len") and m.get("output_len")]
     if not pts:
@@ -481,32 +482,34 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
                             max_num_batched_tokens=int(m.get("max_num_batched_tokens")
                                                        or s.max_num_batched_tokens))))
 
-    def errors(x: tuple[float, float, float]) -> list[tuple[float, float]]:
-        k = scaled(s.constants, Calibration(x[0], x[1], 0, 0, x[2]))
+    def errors(x: tuple[float, ...]) -> list[tuple[float, float, float]]:
+        k = scaled(s.constants, Calibration(x[0], x[1], 0, 0, x[2], x[3]))
         out = []
         for m, w, engine in engines:
             p = point(dataclasses.replace(engine, constants=k), w, float(m["concurrency"]))
-            e_tput = math.log(p.output_tokens_per_s / m["output_tokens_per_s"])
-            e_tpot = math.log(p.tpot_ms / m["tpot_ms"]) if m.get("tpot_ms") else 0.0
-            out.append((e_tput, e_tpot))
+            out.append((math.log(p.output_tokens_per_s / m["output_tokens_per_s"]),
+                        math.log(p.tpot_ms / m["tpot_ms"]) if m.get("tpot_ms") else 0.0,
+                        math.log(p.ttft_ms / m["ttft_ms"]) if m.get("ttft_ms") else 0.0))
         return out
 
-    def loss(x: tuple[float, float, float]) -> float:
-        return sum(2 * a * a + b * b for a, b in errors(x))
+    def loss(x: tuple[float, ...]) -> float:
+        return sum(2 * a * a + b * b + 0.5 * c * c for a, b, c in errors(x))
 
-    best = (1.0, 1.0, 1.0)
+    best: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
     best_loss = loss(best)
-    for x in itertools.product(CAL_GRID, repeat=3):
+    for x3 in itertools.product(CAL_GRID, repeat=3):
+        x = (*x3, 1.0)
         value = loss(x)
         if value < best_loss:
             best, best_loss = x, value
-    for _ in range(3):  # coordinate refinement in steps of 2^(1/8)
-        for i in range(3):
-            for j in range(-8, 9):
-                v = min(max(best[i] * 2 ** (j / 8), CAL_GRID[0]), CAL_GRID[-1])
-                x = tuple(v if k == i else best[k] for k in range(3))
+    for steps in (CAL_GRID, None, None):
+        for i in range(4):
+            values = steps or [min(max(best[i] * 2 ** (j / 8), CAL_GRID[0]), CAL_GRID[-1])
+                               for j in range(-8, 9)]
+            for v in values:
+                x = tuple(v if k == i else best[k] for k in range(4))
                 value = loss(x)
                 if value < best_loss:
                     best, best_loss = x, value
-    tput = sorted(abs(math.expm1(a)) for a, _ in errors(best))
-    return Calibration(best[0], best[1], len(pts), tput[len(tput) // 2], best[2])
+    tput = sorted(abs(math.expm1(a)) for a, _, _ in errors(best))
+    return Calibration(best[0], best[1], len(pts), tput[len(tput) // 2], best[2], best[3])

@@ -211,14 +211,17 @@ def _check_calibrated_model(plan_json: Path, rec: dict, doc: dict, cache: Path) 
         entry = lookup(plan_key(d))
         assert entry is not None, f"no calibration recorded for {plan_key(d)}"
         cal = perf.Calibration(entry["fixed_scale"], entry["roofline_scale"], 0, 0,
-                               entry.get("prefill_scale", 1.0))
+                               entry.get("prefill_scale", 1.0), entry.get("request_scale", 1.0))
         shape = shape_from_plan(d)
         shape = dataclasses.replace(shape, constants=perf.scaled(shape.constants, cal))
         trial = next(t for t in doc["trials"] if t["vllm_args"] == rec["vllm_args"])
         points = sorted({p["concurrency"]: p for p in trial["results"]
                          if p["completed"]}.values(), key=lambda p: p["concurrency"])
         assert len(points) >= 3, points
-        picks = [points[0], points[len(points) // 2], points[-1]]
+        # three load levels: the lightest measured, the recommended knee, the heaviest
+        at_knee = min(points, key=lambda p: abs(p["concurrency"] - rec["concurrency"]))
+        picks = [points[0], at_knee, points[-1]]
+        assert len({p["concurrency"] for p in picks}) == 3, picks
         errors = []
         for p in picks:
             w = Workload(int(p["input_len"]), int(p["output_len"]))

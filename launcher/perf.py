@@ -18,8 +18,9 @@ costs the larger of two rooflines plus fixed costs:
 Prefill is compute-bound: a prompt's tokens cost their FLOPs at `prefill_efficiency`. With
 chunked prefill the chunks ride in decode steps, so every prompt adds its compute to the steps
 of the requests already running and waits behind the others: closed-loop clients with fixed
-lengths move in waves, so half of the other prompts land in TTFT and half in TPOT. Closed-loop concurrency C
-then gives, by Little's law, C / (TTFT + (output - 1) x TPOT) requests per second.
+lengths move in waves, so half of the other prompts land in TTFT and half in TPOT.
+Closed-loop concurrency C then gives, by Little's law, C / (TTFT + (output - 1) x TPOT)
+requests per second.
 
 The constants are fitted once to public vLLM measurements (`bench/perf_bench.py` prints the fit
 row by row against shared/validation/vllm-perf-observations.csv); every one applies to every

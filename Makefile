@@ -53,7 +53,7 @@ demo: venv engine
 # tune.json and plan.json land in .cache/tune-demo/ (TUNE_DEMO_DIR=...).
 TUNE_DEMO_DIR ?= .cache/tune-demo
 tune-demo: venv engine
-	$(BIN)/vlaunch tune $$($(BIN)/python -m launcher.tinymodel) \
+	$(BIN)/vlaunch tune $$($(BIN)/python -m launcher.run.tinymodel) \
 		--gpus cpu --input-len 64 --output-len 32 --slo ttft=1500ms,tpot=60ms \
 		--max-starts 4 --budget 10m --output $(TUNE_DEMO_DIR) \
 		--candidate "--max-model-len 512 --kv-cache-memory-bytes 1327104"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher import capacity  # noqa: E402
-from launcher.model import load_model  # noqa: E402
-from launcher.planner import Pins  # noqa: E402
-from launcher.workload import SLO, Workload  # noqa: E402
+from launcher.inputs.model import load_model  # noqa: E402
+from launcher.inputs.workload import SLO, Workload  # noqa: E402
+from launcher.predict import capacity  # noqa: E402
+from launcher.predict.planner import Pins  # noqa: E402
 
 TEN = ["8xH100", "4xH200", "8xA100-80GB", "4xB200", "8xL40S", "8xH100-PCIe", "4xGH200",
        "4xH100-NVL", "2xB300", "8xA100-40GB"]

@@ -66,7 +66,7 @@ step "vlaunch plan deepseek-v2-lite"
 step "cost of read_inventory() against the real driver"
 "$VENV/bin/python" - <<'PY'
 import statistics, time
-from launcher import inventory
+from launcher.inputs import inventory
 t = time.perf_counter(); inv = inventory.read_inventory(); first = (time.perf_counter() - t) * 1e3
 times = []
 for _ in range(200):

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher import doctor
+from launcher.observe import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 FAILURE = ROOT / "tests" / "fixtures" / "doctor" / "ranks8_oom_tp8.log"

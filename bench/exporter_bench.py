@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher.exporter import Exporter  # noqa: E402
+from launcher.observe.exporter import Exporter  # noqa: E402
 
 # Bucket bounds as vLLM 0.32 uses them (vllm/v1/metrics/buckets.py), so the page has the same
 # number of lines as a real one.

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import nvml_script  # noqa: E402
 
-from launcher import inventory  # noqa: E402
+from launcher.inputs import inventory  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher import perf_validation  # noqa: E402
+from launcher.predict import perf_validation  # noqa: E402
 
 CSV = Path(__file__).resolve().parents[2] / "shared" / "validation" / "vllm-perf-observations.csv"
 

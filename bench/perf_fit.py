@@ -17,9 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher import perf, perf_validation  # noqa: E402
 from launcher.errors import InputError  # noqa: E402
-from launcher.workload import Workload  # noqa: E402
+from launcher.inputs.workload import Workload  # noqa: E402
+from launcher.predict import (
+    perf,  # noqa: E402
+    perf_validation,  # noqa: E402
+)
 
 MEAN_WEIGHT = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
 """How much the mean |log error| counts beside the medians: 1.0 keeps the worst rows in view."""

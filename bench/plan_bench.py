@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import validation
+from launcher.predict import validation
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT.parent / "shared" / "validation" / "vllm-startup-observations.csv"

@@ -52,8 +52,8 @@ def cli() -> None:
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
                  cache_ttl: float) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
-    from . import exporter
-    from .emit import load_plan
+    from .observe import exporter
+    from .run.emit import load_plan
 
     plan = load_plan(plan_path) if plan_path else None
     exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl)
@@ -68,7 +68,7 @@ def gpus_cmd(fmt: str) -> None:
     import json
     import os
 
-    from . import inventory
+    from .inputs import inventory
 
     inv = inventory.read_inventory()
     if fmt == "json":
@@ -80,15 +80,15 @@ def gpus_cmd(fmt: str) -> None:
 
 def _hardware(gpus: str | None):
     """--gpus when given; otherwise what NVML sees on this machine."""
-    from .hardware import parse_gpus
+    from .inputs.hardware import parse_gpus
 
     if gpus:
         return parse_gpus(gpus)
     from dataclasses import replace
 
-    from .capabilities import installed_cpu_engine
-    from .hardware import cpu_hardware
-    from .inventory import detect_hardware
+    from .inputs.hardware import cpu_hardware
+    from .inputs.inventory import detect_hardware
+    from .predict.capabilities import installed_cpu_engine
 
     try:
         return detect_hardware()
@@ -101,7 +101,7 @@ def _hardware(gpus: str | None):
 
 
 def _pins(**kw) -> Pins:  # noqa: F821 - imported lazily to keep `--help` fast
-    from .planner import Pins
+    from .predict.planner import Pins
 
     return Pins(**kw)
 
@@ -167,7 +167,7 @@ def workload_options(f):
 
 def split_goals(kw: dict) -> dict:
     """Pop the workload options out of `kw` and turn them into make_plan's keywords."""
-    from .workload import parse_slo, resolve_workload
+    from .inputs.workload import parse_slo, resolve_workload
 
     raw = {k: kw.pop(k, None) for k in _WORKLOAD_KEYS}
     return {"workload": resolve_workload(raw["input_len"], raw["output_len"], raw["workload"]),
@@ -176,8 +176,8 @@ def split_goals(kw: dict) -> dict:
 
 
 def build_plan(model: str, gpus: str | None, **pins):
-    from .model import load_model
-    from .planner import make_plan
+    from .inputs.model import load_model
+    from .predict.planner import make_plan
 
     goals = split_goals(pins)
     spec = load_model(model)
@@ -201,7 +201,7 @@ def format_plan(d: dict, fmt: str) -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    from .emit import atomic_write
+    from .run.emit import atomic_write
 
     atomic_write(path, text if text.endswith("\n") else text + "\n")
 
@@ -237,7 +237,7 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
     else:
         click.echo(text)
     if emit_dir:
-        from .emit import emit_plan, write_termination_message
+        from .run.emit import emit_plan, write_termination_message
 
         if not d["fits"]:
             write_termination_message(format_plan(d, "text"), termination_log)
@@ -275,8 +275,8 @@ def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: 
     """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s)."""
     import json
 
-    from . import capacity
-    from .model import load_model
+    from .inputs.model import load_model
+    from .predict import capacity
 
     goals = split_goals(kw)
     load = capacity.Load(users=users, rps=rps)
@@ -300,8 +300,8 @@ def profiles_cmd(fmt: str) -> None:
     """Built-in models: size, context, attention type."""
     import json
 
-    from .budget import GiB, param_count, weights_bytes
-    from .model import list_profiles
+    from .inputs.model import list_profiles
+    from .predict.budget import GiB, param_count, weights_bytes
 
     rows = [{"name": p.name, "hf_id": p.hf_id, "architecture": p.architecture,
              "params_b": round(param_count(p) / 1e9, 2),
@@ -341,7 +341,7 @@ def _serve_options(f):
 def _run_serve(spec, hw, pins, extra, opts, goals=None) -> None:
     from pathlib import Path
 
-    from .serve import serve
+    from .run.serve import serve
 
     log_dir = Path(opts["log_dir"])
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -368,7 +368,7 @@ def serve_cmd(model: str, gpus: str | None, extra: tuple[str, ...], **kw) -> Non
 
     Arguments after `--` go to vLLM; a flag given there replaces the plan's (reported).
     """
-    from .model import load_model
+    from .inputs.model import load_model
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     goals = split_goals(kw)
@@ -387,9 +387,9 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
     """Start vLLM on an emitted plan (the main container of the init-container pattern)."""
     import os
 
-    from .emit import load_plan
-    from .hardware import parse_gpus
-    from .model import load_model
+    from .inputs.hardware import parse_gpus
+    from .inputs.model import load_model
+    from .run.emit import load_plan
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     d = load_plan(plan_path)
@@ -397,8 +397,8 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
     if nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
         from pathlib import Path
 
-        from .multinode import build_launch
-        from .serve import run_node
+        from .run.multinode import build_launch
+        from .run.serve import run_node
 
         launch = build_launch(d, role=role)
         log_dir = Path(opts["log_dir"])
@@ -431,7 +431,7 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
 
 def goals_from_plan(d: dict) -> dict | None:
     """The workload, SLO and objective an emitted plan was made for, so exec re-plans for them."""
-    from .workload import SLO, Workload
+    from .inputs.workload import SLO, Workload
 
     perf = d.get("performance")
     if not perf:
@@ -478,8 +478,8 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
     import json
     from pathlib import Path
 
-    from . import tune
-    from .model import load_model
+    from .inputs.model import load_model
+    from .run import tune
 
     budget_s = tune.parse_budget(budget)
     if max_starts < 1:
@@ -527,7 +527,7 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     """
     import json
 
-    from . import doctor
+    from .observe import doctor
 
     if source is None:
         if sys.stdin.isatty():
@@ -541,7 +541,7 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
                          "--gpus ...")
     ctx = None
     if plan_path:
-        from .emit import load_plan
+        from .run.emit import load_plan
 
         ctx = doctor.context_from_plan(load_plan(plan_path))
     elif model:

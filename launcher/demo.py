@@ -38,11 +38,11 @@ def _complete(base: str, model: str, prompt: str, max_tokens: int = 24) -> str:
 
 def _decide() -> None:
     """What vlaunch would run on the real target, and what 500 users cost: plan + capacity."""
-    from . import capacity
-    from .hardware import parse_gpus
-    from .model import load_model
-    from .planner import make_plan
-    from .workload import SLO, resolve_workload
+    from .inputs.hardware import parse_gpus
+    from .inputs.model import load_model
+    from .inputs.workload import SLO, resolve_workload
+    from .predict import capacity
+    from .predict.planner import make_plan
 
     spec, hw, w = load_model("deepseek-r1"), parse_gpus("8xH200"), resolve_workload(preset="chat")
     print("demo: $ vlaunch plan deepseek-r1 --gpus 8xH200 --workload chat --objective ...")
@@ -67,7 +67,7 @@ def _decide() -> None:
 
 
 def main() -> int:
-    from .tinymodel import ensure_tiny_model
+    from .run.tinymodel import ensure_tiny_model
 
     _decide()
 

@@ -78,7 +78,7 @@ def plan_text(d: dict[str, Any]) -> str:
 
 
 def _node_commands(d: dict[str, Any]) -> list[str]:
-    from .multinode import build_launch
+    from .run.multinode import build_launch
 
     out = []
     nodes = d["gpus"]["nodes"]

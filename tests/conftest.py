@@ -16,6 +16,6 @@ def tiny_model() -> Path:
     pytest.importorskip("torch", reason="generating the tiny model needs torch")
     pytest.importorskip("safetensors", reason="generating the tiny model needs safetensors")
     pytest.importorskip("tokenizers", reason="generating the tiny model needs tokenizers")
-    from launcher.tinymodel import ensure_tiny_model
+    from launcher.run.tinymodel import ensure_tiny_model
 
     return ensure_tiny_model()

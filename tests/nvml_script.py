@@ -1,6 +1,6 @@
 """A scripted NVML at the binding's function level, for tests and the inventory benchmark.
 
-The real `launcher.inventory` code runs unchanged: only the `pynvml` module's functions are
+The real `launcher.inputs.inventory` code runs unchanged: only the `pynvml` module's functions are
 replaced (`nvmlInit`, `nvmlDeviceGetMemoryInfo`, ...). They answer the way the real binding does:
 the same ctypes structures (`c_nvmlMemory_v2_t`, `nvmlPciInfo_t`), the same friendly process
 objects, `pynvml.NVMLError` subclasses with the real error codes, `Uninitialized` before

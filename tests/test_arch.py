@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from launcher.arch import Tensor, layer_kinds
-from launcher.budget import Layout, param_count, shard_fraction
 from launcher.errors import InputError
-from launcher.model import ModelSpec, spec_from_config
+from launcher.inputs.arch import Tensor, layer_kinds
+from launcher.inputs.model import ModelSpec, spec_from_config
+from launcher.predict.budget import Layout, param_count, shard_fraction
 
 TEXT: dict[str, Any] = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, intermediate_size=96, vocab_size=100,
@@ -27,7 +27,7 @@ TEXT: dict[str, Any] = dict(hidden_size=64, num_attention_heads=4, num_key_value
 LLAMA = dict(TEXT, model_type="llama", tie_word_embeddings=False)
 
 # tie_word_embeddings=False at the top: transformers' Mistral3Config defaults it to True there,
-# while vLLM (and launcher.arch) read only text_config's flag (default False).
+# while vLLM (and launcher.inputs.arch) read only text_config's flag (default False).
 MISTRAL3 = dict(
     model_type="mistral3", spatial_merge_size=2, multimodal_projector_bias=False,
     tie_word_embeddings=False,

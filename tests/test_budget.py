@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from launcher import budget as B
-from launcher.model import load_model, spec_from_config
+from launcher.inputs.model import load_model, spec_from_config
+from launcher.predict import budget as B
 
 
 @pytest.fixture(scope="module")

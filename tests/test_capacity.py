@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launcher import capacity
 from launcher.cli import cli
-from launcher.model import load_model
-from launcher.planner import Pins
-from launcher.workload import SLO, Workload
+from launcher.inputs.model import load_model
+from launcher.inputs.workload import SLO, Workload
+from launcher.predict import capacity
+from launcher.predict.planner import Pins
 
 W = Workload(1024, 256)
 PINS = Pins(vllm_version="0.32.0", max_model_len=8192)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher import exporter as ex
+from launcher.observe import exporter as ex
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "vlaunch-dashboard.json"

@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launcher import doctor, vllmlog
 from launcher.cli import cli
 from launcher.errors import InputError
-from launcher.hardware import parse_gpus
-from launcher.planner import Pins
+from launcher.inputs.hardware import parse_gpus
+from launcher.observe import doctor
+from launcher.predict.planner import Pins
+from launcher.run import vllmlog
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
 
@@ -345,7 +346,7 @@ def test_unreadable_log_is_an_input_error(tmp_path: Path, monkeypatch):
 
 
 def test_serve_never_retries_a_deterministic_failure_with_the_same_flags(h200_ctx):
-    from launcher.serve import next_attempt
+    from launcher.run.serve import next_attempt
 
     failure = vllmlog.classify_failure((FIXTURES / "ranks8_kv_short_dp8.log").read_text())
     pins, plan = h200_ctx.pins, h200_ctx.plan
@@ -361,7 +362,7 @@ def test_serve_never_retries_a_deterministic_failure_with_the_same_flags(h200_ct
 
 
 def test_serve_retries_a_transient_failure_once_with_the_same_flags(h200_ctx):
-    from launcher.serve import next_attempt
+    from launcher.run.serve import next_attempt
 
     pins, plan = h200_ctx.pins, h200_ctx.plan
     for name in ("mem_profiling_v032.log", "nccl_timeout.log"):

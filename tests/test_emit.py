@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher import emit
-from launcher.emit import emit_plan, load_plan, write_termination_message
 from launcher.errors import InputError
+from launcher.run import emit
+from launcher.run.emit import emit_plan, load_plan, write_termination_message
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ def test_crash_mid_write_leaves_previous_plan_readable(tmp_path):
         f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        from launcher import emit
+        from launcher.run import emit
         real_write = emit.os.fdopen
         class Half:
             def __init__(self, f): self.f = f

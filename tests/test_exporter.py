@@ -25,8 +25,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from launcher import exporter as ex
 from launcher.errors import InputError
+from launcher.observe import exporter as ex
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-deepseek-v3"
@@ -408,23 +408,23 @@ def test_gpu_record_spellings():
 
 
 def test_default_gpu_reader_follows_inventory(monkeypatch):
-    broken = types.ModuleType("launcher.inventory")
+    broken = types.ModuleType("launcher.inputs.inventory")
 
     def fail():
         raise RuntimeError("NVML Shared Library Not Found")
 
     broken.read_inventory = lambda timeout_s=5.0: fail()
-    monkeypatch.setitem(sys.modules, "launcher.inventory", broken)
+    monkeypatch.setitem(sys.modules, "launcher.inputs.inventory", broken)
     assert ex.default_gpu_reader() is None
-    working = types.ModuleType("launcher.inventory")
-    # The shape of launcher.inventory: Inventory.devices of Device records; an unreadable
+    working = types.ModuleType("launcher.inputs.inventory")
+    # The shape of launcher.inputs.inventory: Inventory.devices of Device records; an unreadable
     # device (error set) has zeros for memory and is left out.
     working.read_inventory = lambda timeout_s=5.0: types.SimpleNamespace(devices=[
         types.SimpleNamespace(index=0, uuid="GPU-0", used_bytes=1, free_bytes=9, total_bytes=10,
                               error=None),
         types.SimpleNamespace(index=1, uuid="GPU-1", used_bytes=0, free_bytes=0, total_bytes=0,
                               error="NVML_ERROR_GPU_IS_LOST")])
-    monkeypatch.setitem(sys.modules, "launcher.inventory", working)
+    monkeypatch.setitem(sys.modules, "launcher.inputs.inventory", working)
     reader = ex.default_gpu_reader()
     assert reader is not None
     assert [ex.to_gpu_record(r).uuid for r in reader()] == ["GPU-0"]

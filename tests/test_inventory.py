@@ -1,6 +1,6 @@
 """The NVML inventory, driven through a scripted NVML at the binding's function level.
 
-`tests/nvml_script.py` replaces `pynvml`'s functions; everything in `launcher.inventory` runs
+`tests/nvml_script.py` replaces `pynvml`'s functions; everything in `launcher.inputs.inventory` runs
 as it would against a driver. Expected numbers come from the script's inputs (MiB readings), not
 from the implementation.
 """
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import nvml_script as ns  # noqa: E402
 
-from launcher import inventory  # noqa: E402
 from launcher.cli import cli  # noqa: E402
 from launcher.errors import InputError  # noqa: E402
+from launcher.inputs import inventory  # noqa: E402
 
 MiB = ns.MiB
 
@@ -376,7 +376,7 @@ def test_a_call_that_never_returns_does_not_block_exit():
     here = str(Path(__file__).resolve().parent)
     code = (
         f"import sys, threading; sys.path.insert(0, {here!r})\n"
-        "import nvml_script as ns; from launcher import inventory\n"
+        "import nvml_script as ns; from launcher.inputs import inventory\n"
         "s = ns.hgx_h200(); s.gpus[0].hang['nvmlDeviceGetComputeRunningProcesses'] = "
         "threading.Event()\n"
         "s.install(setattr)\n"
@@ -419,7 +419,7 @@ def test_real_binding_without_nvml_library():
 
 def test_exporter_reads_the_inventory(monkeypatch):
     """The exporter's default reader takes our records as they are (index, uuid, memory)."""
-    from launcher import exporter
+    from launcher.observe import exporter
 
     s = use(monkeypatch, ns.hgx_h200())
     reader = exporter.default_gpu_reader()

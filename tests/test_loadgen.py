@@ -1,4 +1,4 @@
-"""The benchmark child (`launcher.loadgen`): protocol, failures, and the numbers it reports.
+"""The benchmark child (`launcher.run.loadgen`): protocol, failures, and the numbers it reports.
 
 The child is tested against a stand-in `vllm.benchmarks.serve` placed first on PYTHONPATH, so
 these run without vLLM; `test_vllm_parser_accepts_our_argv` (engine) checks the real parser.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import loadgen
-from launcher.loadgen import LoadGenerator, LoadgenError, LoadSpec, benchmark_argv, summarize
+from launcher.run import loadgen
+from launcher.run.loadgen import LoadGenerator, LoadgenError, LoadSpec, benchmark_argv, summarize
 
 SPEC = LoadSpec("http://127.0.0.1:9/", "tiny", "/models/tiny", 64, 32, 8, 24, seed=3,
                 slo_ttft_ms=1500, slo_tpot_ms=60, num_warmups=4)
@@ -136,7 +136,7 @@ def test_a_hung_benchmark_times_out(fake_vllm, tmp_path: Path):
 
 
 def test_importing_loadgen_imports_nothing_heavy():
-    code = ("import sys, launcher.loadgen, launcher.tune\n"
+    code = ("import sys, launcher.run.loadgen, launcher.run.tune\n"
             "print([m for m in ('vllm', 'torch', 'transformers', 'numpy') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from launcher import measured, vllmlog
-from launcher.hardware import parse_gpus
-from launcher.model import load_model
-from launcher.planner import Pins, make_plan
-from launcher.serve import learn_measured_kv
+from launcher.inputs.hardware import parse_gpus
+from launcher.inputs.model import load_model
+from launcher.predict import measured
+from launcher.predict.planner import Pins, make_plan
+from launcher.run import vllmlog
+from launcher.run.serve import learn_measured_kv
 
 LOG = """\
 (EngineCore pid=1) INFO 11-29 10:00:00 [startup_plan.py:190] Saved startup plan to {p0}

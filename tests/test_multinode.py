@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.errors import InputError
-from launcher.multinode import LEADER, WORKER, LwsEnv, build_launch
+from launcher.run.multinode import LEADER, WORKER, LwsEnv, build_launch
 
 LEADER_DNS = "vlaunch-0.vlaunch.default"
 
@@ -200,9 +200,9 @@ def test_lws_env_parsing():
 
 def test_real_plan_two_nodes_leader_and_worker():
     # A plan straight from the planner (DeepSeek-R1 on 2x8xH100) becomes two node commands.
-    from launcher.hardware import parse_gpus
-    from launcher.model import load_model
-    from launcher.planner import Pins, make_plan
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.planner import Pins, make_plan
 
     d = make_plan(load_model("deepseek-r1"), parse_gpus("2x8xH100"),
                   Pins(vllm_version="0.32.0")).to_dict()

@@ -9,10 +9,10 @@ from click.testing import CliRunner
 
 from launcher.cli import cli
 from launcher.errors import InputError
-from launcher.hardware import parse_gpus
-from launcher.model import load_model
-from launcher.planner import Pins, make_plan
-from launcher.workload import PRESETS, SLO, parse_slo, resolve_workload
+from launcher.inputs.hardware import parse_gpus
+from launcher.inputs.model import load_model
+from launcher.inputs.workload import PRESETS, SLO, parse_slo, resolve_workload
+from launcher.predict.planner import Pins, make_plan
 
 
 def plan(model, gpus, objective="balanced", **kw):

@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from launcher import budget as B
-from launcher import perf
-from launcher.hardware import parse_gpus
-from launcher.model import load_model
-from launcher.planner import Pins, make_plan
-from launcher.workload import SLO, Workload
+from launcher.inputs.hardware import parse_gpus
+from launcher.inputs.model import load_model
+from launcher.inputs.workload import SLO, Workload
+from launcher.predict import budget as B
+from launcher.predict import perf
+from launcher.predict.planner import Pins, make_plan
 
 V = Pins(vllm_version="0.32.0")
 
@@ -159,7 +159,7 @@ def test_unknown_speed_facts_claim_no_performance():
 
 
 def test_every_catalog_constant_is_positive_and_sourced():
-    from launcher.hardware import kinds
+    from launcher.inputs.hardware import kinds
 
     for k in kinds():
         assert k.hbm_gbps and k.hbm_gbps > 0 and k.bf16_tflops and k.bf16_tflops > 0, k.name
@@ -174,7 +174,7 @@ def test_every_catalog_constant_is_positive_and_sourced():
 def test_calibration_is_recorded_and_plans_say_measured(tmp_path, monkeypatch):
     """tune's points for one engine refit its scales; the next plan for the same key says
     `source: measured`, another layout of the same family borrows the scales as `model`."""
-    from launcher import calibration
+    from launcher.predict import calibration
 
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")

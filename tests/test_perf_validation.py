@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import perf_validation
+from launcher.predict import perf_validation
 
 CSV = Path(__file__).resolve().parents[2] / "shared" / "validation" / "vllm-perf-observations.csv"
 

@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import cli
-from launcher.hardware import parse_gpus
-from launcher.model import load_model
-from launcher.planner import Pins, make_plan
+from launcher.inputs.hardware import parse_gpus
+from launcher.inputs.model import load_model
+from launcher.predict.planner import Pins, make_plan
 
 V = Pins(vllm_version="0.32.0")
 
@@ -73,7 +73,7 @@ def test_fp8_not_on_ampere_for_mla():
 
 
 def test_fp8_never_on_cpu_for_mla():
-    from launcher.model import spec_from_config
+    from launcher.inputs.model import spec_from_config
 
     small = {"model_type": "deepseek_v3", "hidden_size": 256, "num_hidden_layers": 3,
              "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128,
@@ -246,7 +246,7 @@ def test_pipeline_parallel_inside_a_node_and_tp_across_nodes():
 
 
 def test_expert_parallel_never_exceeds_the_routed_experts():
-    from launcher.model import spec_from_config
+    from launcher.inputs.model import spec_from_config
 
     small = {"model_type": "deepseek_v3", "hidden_size": 1024, "num_hidden_layers": 4,
              "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 256,
@@ -255,7 +255,7 @@ def test_expert_parallel_never_exceeds_the_routed_experts():
              "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
              "first_k_dense_replace": 1, "vocab_size": 4096, "max_position_embeddings": 8192}
     spec = spec_from_config(small, name="four-experts")
-    from launcher.planner import layouts
+    from launcher.predict.planner import layouts
 
     lays = layouts(spec, parse_gpus("8xH100"), Pins())
     assert lays and all(L.tp * L.dp <= 4 for L in lays if L.expert_parallel)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher import runner as runner_mod
-from launcher import vllmlog
-from launcher.runner import VllmRunner, vllm_command
+from launcher.run import runner as runner_mod
+from launcher.run import vllmlog
+from launcher.run.runner import VllmRunner, vllm_command
 
 FAKE_SERVER = textwrap.dedent(
     r"""
@@ -233,7 +233,7 @@ def test_killed_from_outside_is_reported(fake):
 DRIVER = textwrap.dedent(
     """
     import json, sys
-    from launcher.runner import VllmRunner
+    from launcher.run.runner import VllmRunner
 
     cfg = json.loads(sys.argv[1])
     r = VllmRunner(cfg["args"], env=cfg.get("env"), command=cfg.get("command"),

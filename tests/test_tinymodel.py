@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from launcher import tinymodel  # noqa: E402
+from launcher.run import tinymodel  # noqa: E402
 
 
 def _digest(folder: Path) -> dict[str, str]:

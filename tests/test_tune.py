@@ -22,17 +22,17 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from launcher import tune as T
 from launcher.cli import cli
-from launcher.emit import load_plan
 from launcher.errors import InputError
-from launcher.hardware import parse_gpus
-from launcher.loadgen import LoadSpec, summarize
-from launcher.model import load_model
-from launcher.planner import Pins
-from launcher.runner import VllmRunner, arg_value
-from launcher.tinymodel import config_dict
-from launcher.workload import SLO, Workload
+from launcher.inputs.hardware import parse_gpus
+from launcher.inputs.model import load_model
+from launcher.inputs.workload import SLO, Workload
+from launcher.predict.planner import Pins
+from launcher.run import tune as T
+from launcher.run.emit import load_plan
+from launcher.run.loadgen import LoadSpec, summarize
+from launcher.run.runner import VllmRunner, arg_value
+from launcher.run.tinymodel import config_dict
 
 FAKE_VLLM = textwrap.dedent(
     r"""
@@ -112,7 +112,7 @@ def synthetic_raw(args: list[str], spec: LoadSpec) -> dict[str, Any]:
 
 
 class FakeLoadgen:
-    """Stands in for launcher.loadgen.LoadGenerator: asks the fake server for its flags."""
+    """Stands in for launcher.run.loadgen.LoadGenerator: asks the fake server for its flags."""
 
     calls: list[LoadSpec] = []
     hook = None  # called with the number of calls so far, e.g. to send a signal
@@ -328,7 +328,7 @@ def test_tune_end_to_end_on_a_fake_engine(tmp_path: Path, fake_engine, tiny_spec
     assert rec["measured"]["goodput_rps"] >= base["measured"]["goodput_rps"]
     assert rec["measured"]["goodput_rps"] == max(t["knee"]["goodput_rps"] for t in ok
                                                  if t["rung"] == rec["rung"])
-    # every finished trial taught the performance model (launcher.calibration) its points
+    # every finished trial taught the performance model (launcher.predict.calibration) its points
     assert all(t["calibration"].endswith("calibration.json") for t in ok), [
         t["calibration"] for t in ok]
     stored = json.loads((tmp_path / "cache" / "calibration.json").read_text())

@@ -6,7 +6,7 @@ prompts and 32-token answers. Then `vlaunch exec --plan DIR/plan.json` serves th
 and vLLM's benchmark checks the knee at 0.8x and 1.5x the recommended concurrency.
 
 The SLO (TTFT <= 1.5 s, TPOT <= 60 ms) was picked from a quick measurement of the defaults on
-this 2-core machine with the same lengths (launcher.loadgen, 3 prompts per concurrency):
+this 2-core machine with the same lengths (launcher.run.loadgen, 3 prompts per concurrency):
 TTFT p50 70 / 210 / 800 / 1,500 / 2,400 ms and TPOT p50 5 / 10 / 27 / 51 / 119 ms at concurrency
 1 / 4 / 16 / 32 / 64; so the SLO is met at low load and missed well below the 512 the search
 may try, and a knee exists. A much faster machine would push the knee up, never remove it.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.loadgen import LoadSpec, run_benchmark
+from launcher.run.loadgen import LoadSpec, run_benchmark
 
 pytestmark = pytest.mark.engine
 
@@ -199,10 +199,10 @@ def _brief(s: dict) -> str:
 def _check_calibrated_model(plan_json: Path, rec: dict, doc: dict, cache: Path) -> None:
     import dataclasses
 
-    from launcher import perf
-    from launcher.calibration import lookup, plan_key
-    from launcher.perfplan import shape_from_plan
-    from launcher.workload import Workload
+    from launcher.inputs.workload import Workload
+    from launcher.predict import perf
+    from launcher.predict.calibration import lookup, plan_key
+    from launcher.predict.perfplan import shape_from_plan
 
     before = os.environ.get("VLAUNCH_CACHE_DIR")
     os.environ["VLAUNCH_CACHE_DIR"] = str(cache)

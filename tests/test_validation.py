@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import validation
+from launcher.predict import validation
 
 CSV = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / \
     "vllm-startup-observations.csv"

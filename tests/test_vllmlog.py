@@ -9,7 +9,7 @@ vLLM's format strings filled with plausible numbers (vllm-internals.md §1.7).
 
 from __future__ import annotations
 
-from launcher import vllmlog
+from launcher.run import vllmlog
 
 CPU_READY_LOG = """\
 (APIServer pid=6151) INFO 11-29 21:48:27 [api_utils.py:286] non-default args: {'port': 8101, 'model': '/tmp/tiny1', 'max_model_len': 1024, 'kv_cache_memory_bytes': 100000000}

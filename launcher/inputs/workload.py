@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import InputError
+from ..errors import InputError
 
 PRESETS: dict[str, tuple[int, int, str]] = {
     "chat": (1024, 256, "assistant chat: 1,024 prompt tokens, 256 answer tokens"),

@@ -4,8 +4,8 @@ A model is read from a built-in profile (`profiles/models/*.yaml`, config.json k
 metadata), a local Hugging Face directory, or a path to a config.json. Its weights are described
 as a list of `Tensor` groups, each knowing how vLLM shards it (column/row-parallel, vocab-parallel,
 replicated, per-expert) and whether the checkpoint's quantization covers it. Counting parameters,
-weight bytes and per-rank bytes are then simple sums in `launcher.budget`; nothing here knows
-about GPUs.
+weight bytes and per-rank bytes are then simple sums in `launcher.predict.budget`; nothing
+here knows about GPUs.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import InputError
+from ..paths import profiles_dir, read_yaml
 from .arch import ARCHITECTURES, Tensor
-from .errors import InputError
-from .paths import profiles_dir, read_yaml
 
 __all__ = ["ModelSpec", "Quant", "Tensor", "load_model", "list_profiles"]
 

@@ -15,9 +15,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
-from .hardware import GiB, Hardware
-from .paths import cache_dir, profiles_dir, read_yaml
+from ..errors import InputError
+from ..inputs.hardware import GiB, Hardware
+from ..paths import cache_dir, profiles_dir, read_yaml
 
 
 @functools.lru_cache(maxsize=1)
@@ -160,6 +160,6 @@ def record_lesson(key: str, supported: bool, reason: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = lessons()
     data[key] = {"supported": supported, "reason": reason}
-    from .emit import atomic_write
+    from ..run.emit import atomic_write
 
     return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

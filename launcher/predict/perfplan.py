@@ -20,10 +20,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..inputs.hardware import Hardware
+from ..inputs.model import ModelSpec
+from ..inputs.workload import SLO, Workload
 from . import calibration, perf
-from .hardware import Hardware
-from .model import ModelSpec
-from .workload import SLO, Workload
 
 FP8_MARGIN = 0.10
 """fp8 KV is chosen for speed only when it raises the objective's figure by at least this much:
@@ -165,10 +165,10 @@ def performance_dict(a: Assessment | None, objective: str, workload: Workload, s
 
 def shape_from_plan(d: dict[str, Any]) -> perf.EngineShape | None:
     """Rebuild the performance model's engine from a plan dict (for calibration records)."""
+    from ..inputs.hardware import cpu_hardware, parse_gpus
+    from ..inputs.model import load_model
     from .budget import Layout
     from .capabilities import version_traits
-    from .hardware import cpu_hardware, parse_gpus
-    from .model import load_model
 
     spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
     g, p, kv = d["gpus"], d["parallel"], d["kv_cache"]

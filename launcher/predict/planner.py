@@ -15,6 +15,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InputError
+from ..inputs.hardware import GiB, Hardware, MiB
+from ..inputs.model import ModelSpec, Quant
+from ..inputs.workload import SLO, Workload, check_objective, resolve_workload
 from . import budget as B
 from .capabilities import (
     VersionTraits,
@@ -25,11 +29,7 @@ from .capabilities import (
     fp8_kv_support,
     version_traits,
 )
-from .errors import InputError
-from .hardware import GiB, Hardware, MiB
-from .model import ModelSpec, Quant
 from .perfplan import FP8_MARGIN
-from .workload import SLO, Workload, check_objective, resolve_workload
 
 CUDA_CONTEXT_BYTES = 600 * MiB
 """Memory the vLLM process itself takes (CUDA context, NCCL init) before it checks that free
@@ -769,7 +769,7 @@ def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
             out.append(f"a quantized variant: an AWQ/GPTQ int4 checkpoint of {spec.name} "
                        f"({B.weights_bytes(q_spec) / GiB:.0f} GiB) fits ({_brief(plan)})")
     if spec.architecture.startswith("deepseek"):
-        from .model import list_profiles
+        from ..inputs.model import list_profiles
 
         distills = [p for p in list_profiles() if p.distill_of]
         distills.sort(key=lambda p: B.param_count(p), reverse=True)

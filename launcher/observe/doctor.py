@@ -22,7 +22,7 @@ the planner with what the log measured (`plan_fix`) when a plan or model + GPUs 
 A folder's logs are read oldest first as one stream (serve's vllm-attemptN.log), so the last
 launch is the one diagnosed; logs of different nodes of one deployment are not merged.
 
-`launcher.vllmlog.classify_failure` (what `serve` and `tune` retry on) delegates here.
+`launcher.run.vllmlog.classify_failure` (what `serve` and `tune` retry on) delegates here.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import InputError
+from ..errors import InputError
 
 # Start-up phases in vLLM's order. A phase can be skipped (CPU captures no graphs); it never
 # goes backwards within one start. "serving" is after the API server came up.
@@ -261,7 +261,7 @@ class Rule:
     cause: str
     pattern: re.Pattern[str]
     consumer: str  # one of CONSUMERS, or "by_phase"
-    kind: str  # launcher.vllmlog failure kind, for serve/tune
+    kind: str  # launcher.run.vllmlog failure kind, for serve/tune
     source: str  # vLLM file and function (0.32.0) and the versions of each wording
     transient: bool = False  # may succeed when retried with the same flags
     phase: str | None = None  # where it always happens, whatever the markers said
@@ -1060,7 +1060,7 @@ def _log_args(facts: Facts) -> list[str]:
 
 def _override(args: list[str], fix: list[str]) -> list[str]:
     """`args` with every flag in `fix` replacing the same flag (a fix wins)."""
-    from .serve import merge_args
+    from ..run.serve import merge_args
 
     return merge_args(args, fix)[0]
 
@@ -1109,9 +1109,9 @@ class PlanContext:
 
 def context_from_plan(d: dict[str, Any]) -> PlanContext:
     """Model, hardware and pins of an emitted plan.json (as `vlaunch exec` rebuilds them)."""
-    from .hardware import parse_gpus
-    from .model import load_model
-    from .planner import Pins, make_plan
+    from ..inputs.hardware import parse_gpus
+    from ..inputs.model import load_model
+    from ..predict.planner import Pins, make_plan
 
     spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
     g = d["gpus"]
@@ -1132,8 +1132,8 @@ def context_from_plan(d: dict[str, Any]) -> PlanContext:
 
 def context_from_model(model: str, gpus: str | None, pins: Any, goals: dict[str, Any],
                        hardware: Any) -> PlanContext:
-    from .model import load_model
-    from .planner import make_plan
+    from ..inputs.model import load_model
+    from ..predict.planner import make_plan
 
     spec = load_model(model)
     plan = make_plan(spec, hardware, pins, **goals)
@@ -1142,14 +1142,14 @@ def context_from_model(model: str, gpus: str | None, pins: Any, goals: dict[str,
 
 def _failure_of(d: Diagnosis) -> Any:
     """The diagnosis as the `vllmlog.Failure` that `serve.replan_pins` understands."""
-    from . import vllmlog
+    from ..run import vllmlog
 
     return to_failure(d, vllmlog)
 
 
 def _replanned_pins(d: Diagnosis, ctx: PlanContext) -> tuple[Any, str] | None:
     """New pins for the failure, from what the log measured; None when no pin helps."""
-    from .serve import replan_pins
+    from ..run.serve import replan_pins
 
     pins = ctx.pins
     if d.cause in ("kv_cache_too_small", "free_memory_below_utilization"):
@@ -1217,7 +1217,7 @@ def _changed_flags(old: Any, new: Any, args: list[str]) -> list[str]:
 def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
     """Re-plan each memory failure with what the log measured; the fix is the plan's changed
     flags and the `vlaunch serve` command pins the new decisions."""
-    from .planner import make_plan
+    from ..predict.planner import make_plan
 
     old = ctx.plan.vllm_args()
     for d in report.diagnoses:

@@ -19,7 +19,7 @@ The planner predicts; this module measures. Why each piece is the way it is:
   knee (the largest concurrency where at least `threshold` of the completed requests meet both
   the TTFT and the TPOT objective), doubling then bisecting; a point whose verdict would flip
   within +-10% of the SLO is measured again and pooled. Load comes from vLLM's own benchmark
-  (`launcher.loadgen`, in a child process).
+  (`launcher.run.loadgen`, in a child process).
 - Everything measured is kept: `tune.json` is rewritten atomically after every point, so a
   kill -9 loses at most one point, and `--resume` skips finished trials. Ctrl-C/SIGTERM stop the
   engine, keep what was measured and report the best so far.
@@ -49,16 +49,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from .. import __version__
+from ..errors import InputError
+from ..inputs.hardware import Hardware
+from ..inputs.model import ModelSpec
+from ..inputs.workload import SLO, Workload
+from ..predict.planner import Pins, make_plan
 from .emit import atomic_write, emit_plan
-from .errors import InputError
-from .hardware import Hardware
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
-from .model import ModelSpec
-from .planner import Pins, make_plan
 from .runner import VllmRunner, arg_value
 from .serve import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, merge_args
-from .workload import SLO, Workload
 
 TUNE_FILE = "tune.json"
 SCHEMA = 1
@@ -260,7 +260,7 @@ def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any
     Knobs the user pinned stay pinned. fp8 KV is tried only where the planner's capability
     table says it works; enforce-eager only on GPUs (the CPU engine has no graphs to skip).
     """
-    from .capabilities import fp8_kv_support
+    from ..predict.capabilities import fp8_kv_support
 
     seqs0, tokens0 = int(base["max_num_seqs"]), int(base["max_num_batched_tokens"])
     seqs = [pins.max_num_seqs] if pins.max_num_seqs else sorted(
@@ -277,7 +277,7 @@ def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any
 
 
 def _layout_pins(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[dict[str, Any]]:
-    from .planner import layouts
+    from ..predict.planner import layouts
 
     if hw.is_cpu or pins.tp or pins.dp or pins.pp:
         return [{}]
@@ -340,7 +340,7 @@ def defaults_plan(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any
     """The plan of vLLM's defaults on the planner's layout: the scheduler limits `vllm serve`
     would pick (capabilities.batch_defaults), auto KV, no eager mode. Its dict is what the
     baseline's plan.json and calibration describe, so they match what was measured."""
-    from .capabilities import batch_defaults
+    from ..predict.capabilities import batch_defaults
 
     p = base["parallel"]
     tokens, seqs = batch_defaults(hw, p["tp"] * p["pp"])
@@ -663,7 +663,7 @@ class Tuner:
                 self.previous[(-1, t.get("key", ""))] = t  # never started again, any rung
 
     def _new_doc(self, baseline: TrialSpec, notes: list[str]) -> None:
-        from .capabilities import installed_vllm
+        from ..predict.capabilities import installed_vllm
 
         o = self.opts
         self.doc = {
@@ -1052,19 +1052,16 @@ class Tuner:
         }
 
     def _calibrate(self, t: TrialSpec, rec: dict[str, Any]) -> None:
-        """Teach the performance model what was measured (launcher.calibration, if present)."""
+        """Teach the performance model what was measured (launcher.predict.calibration)."""
         if not self.opts.calibrate or not rec["results"]:
             return
-        try:
-            from . import calibration  # type: ignore[attr-defined]
-        except ImportError:
-            rec["calibration"] = "launcher.calibration is not installed; not recorded"
-            return
+        from ..predict import calibration
+
         points = [{k: p[k] for k in ("concurrency", "input_len", "output_len",
                                      "output_tokens_per_s", "tpot_ms", "ttft_ms")}
                   for p in rec["results"] if p["completed"]]
         try:
-            from .paths import cache_dir
+            from ..paths import cache_dir
 
             cache_dir().mkdir(parents=True, exist_ok=True)  # record() writes beside it
             path = calibration.record(t.plan, points, f"vlaunch tune {_now()}")

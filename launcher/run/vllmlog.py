@@ -203,12 +203,12 @@ class Failure:
 def classify_failure(text: str) -> Failure | None:
     """The reason a start-up failed (the root cause); None if the log shows no error.
 
-    Delegates to `launcher.doctor`, whose table of vLLM's messages also finds the first real
+    Delegates to `launcher.observe.doctor`, whose table of vLLM's messages also finds the first real
     error behind the "Engine core initialization failed. See root cause above" wrappers; the
     kinds and numbers stay what serve's re-planning reads (KV_SHORTAGE, NO_KV_MEMORY,
     DEVICE_OOM, INSUFFICIENT_FREE_MEMORY, OTHER).
     """
-    from . import doctor
+    from ..observe import doctor
 
     root = doctor.classify(text)
     if root is None:

@@ -22,9 +22,9 @@ API
     No NVML library / no driver / no visible GPU raises ``InputError`` with one line saying how
     to plan anyway.
 ``detect_hardware(inv=None, count=None) -> Hardware``
-    The ``launcher.hardware.Hardware`` the planner plans on: all visible devices (or the first
-    ``count``), sized by the one with the least FREE memory; mixed GPUs, co-tenant processes,
-    MIG and missing NVLink are explained in ``notes``.
+    The ``launcher.inputs.hardware.Hardware`` the planner plans on: all visible devices (or
+    the first ``count``), sized by the one with the least FREE memory; mixed GPUs, co-tenant
+    processes, MIG and missing NVLink are explained in ``notes``.
 ``nvlink_connected(devices, indices) -> bool``, ``nvlink_group(devices, size)``,
 ``tp_group_warning(devices, indices)``
     Whether a set of GPUs is fully NVLink-connected, the best such set of a given size, and the
@@ -57,7 +57,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .errors import InputError
+from ..errors import InputError
 from .hardware import GiB, Hardware, kind_for_nvml_name
 
 try:  # nvidia-ml-py is a declared dependency; a broken install still gets the one-line error

@@ -15,7 +15,7 @@ few MB and the engine starts in about a minute on two cores.
 
 The output is deterministic (seeded) and cached under
 `launcher.paths.cache_dir()/models/tiny-deepseek-v3`; it is regenerated only when
-`GENERATOR_VERSION` changes. Command line: `python -m launcher.tinymodel [OUT]` prints the path.
+`GENERATOR_VERSION` changes. Command line: `python -m launcher.run.tinymodel [OUT]` prints the path.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .paths import cache_dir
+from ..paths import cache_dir
 
 # Bump whenever the generated files change in any way; cached copies are then rebuilt.
 GENERATOR_VERSION = 1
@@ -284,7 +284,7 @@ def ensure_tiny_model(path: str | os.PathLike[str] | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) > 1 or (args and args[0].startswith("-")):
-        print("usage: python -m launcher.tinymodel [OUT]", file=sys.stderr)
+        print("usage: python -m launcher.run.tinymodel [OUT]", file=sys.stderr)
         return 2
     print(ensure_tiny_model(args[0] if args else None))
     return 0

@@ -57,8 +57,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..paths import cache_dir
 from . import vllmlog
-from .paths import cache_dir
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 

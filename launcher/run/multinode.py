@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .errors import InputError
+from ..errors import InputError
 
 LEADER, WORKER = "leader", "worker"
 BACKENDS = ("mp", "ray")

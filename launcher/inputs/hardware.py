@@ -12,8 +12,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .errors import InputError
-from .paths import profiles_dir, read_yaml
+from ..errors import InputError
+from ..paths import profiles_dir, read_yaml
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -15,11 +15,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import InputError
+from ..inputs.hardware import Hardware, gpu_kind
+from ..inputs.model import ModelSpec, load_model
 from .budget import GiB, Layout
 from .capabilities import version_traits
-from .errors import InputError
-from .hardware import Hardware, gpu_kind
-from .model import ModelSpec, load_model
 from .planner import Pins, evaluate
 
 

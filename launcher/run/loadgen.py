@@ -2,7 +2,7 @@
 
 Why a child: `vllm.benchmarks.serve` imports vLLM, torch and transformers (seconds of start-up and
 hundreds of MiB), and the vlaunch process must stay light (`vlaunch plan` imports nothing heavy).
-So the benchmark runs in `python -m launcher.loadgen`, a small child that imports vLLM once and
+So the benchmark runs in `python -m launcher.run.loadgen`, a small child that imports vLLM once and
 then answers one request per line on stdin: the benchmark's argv in, its result dict out. One
 child serves every measurement of a trial, so the import cost is paid once per trial, not once
 per concurrency point.
@@ -170,7 +170,7 @@ class LoadGenerator:
                                     else "")
         self._answers = queue.Queue()
         self._proc = subprocess.Popen(
-            [self.python, "-m", "launcher.loadgen"], stdin=subprocess.PIPE,
+            [self.python, "-m", "launcher.run.loadgen"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True)
         threading.Thread(target=self._read_answers, args=(self._proc,), daemon=True).start()

@@ -15,14 +15,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import InputError
+from ..inputs.hardware import Hardware, gpu_kind
+from ..inputs.workload import Workload
 from . import perf
 from .budget import Layout
 from .capabilities import version_traits
-from .errors import InputError
-from .hardware import Hardware, gpu_kind
 from .planner import Pins, evaluate
 from .validation import _find_model, _version
-from .workload import Workload
 
 
 @dataclass

@@ -14,13 +14,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import InputError
+from ..inputs.hardware import GiB, Hardware, kinds, parse_gpus
+from ..inputs.model import ModelSpec
+from ..inputs.workload import SLO, Workload
 from . import budget as B
 from . import perf
-from .errors import InputError
-from .hardware import GiB, Hardware, kinds, parse_gpus
-from .model import ModelSpec
 from .planner import Pins, make_plan
-from .workload import SLO, Workload
 
 HOURS_PER_MONTH = 730
 """8,760 hours / 12: how clouds bill a month."""
@@ -90,7 +90,7 @@ _PRICE = re.compile(r"^\s*([A-Za-z0-9._-]+)\s*=\s*\$?(\d+(?:\.\d+)?)\s*$")
 
 def parse_prices(items: tuple[str, ...] | list[str]) -> dict[str, float]:
     """`H200=3.50` (one per --price); keyed by the catalog's canonical name."""
-    from .hardware import gpu_kind
+    from ..inputs.hardware import gpu_kind
 
     out: dict[str, float] = {}
     for item in items:

@@ -7,7 +7,7 @@ in vLLM knows what the plan predicted. This module joins the three sources at sc
 - the plan (a `Plan.to_dict()` dict): planned capacity, the per-GPU memory budget, plan info;
 - vLLM's own `/metrics` (fetched on every scrape of ours, cached for a short TTL): usage ratio and
   actual capacity per engine (the `engine` label is vLLM's DP engine index);
-- the GPUs, through a `gpu_reader` callable (NVML via `launcher.inventory` by default).
+- the GPUs, through a `gpu_reader` callable (NVML via `launcher.inputs.inventory` by default).
 
 Values are computed in `collect()` (a custom Collector), so nothing is ever frozen: when vLLM is
 down, slow or answers garbage, `vlaunch_engine_up` is 0, the engine-derived series disappear
@@ -39,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from .errors import InputError
+from ..errors import InputError
 
 DEFAULT_PORT = 9400
 DEFAULT_BIND = "0.0.0.0"
@@ -300,14 +300,14 @@ def to_gpu_record(record: Any) -> GpuRecord:
 
 
 def default_gpu_reader() -> GpuReader | None:
-    """NVML through `launcher.inventory.read_inventory`, or None where that does not work.
+    """NVML through `launcher.inputs.inventory.read_inventory`, or None where that does not work.
 
     Probed once: on a machine without NVML there are no GPU series at all rather than an error
     counted on every scrape. Devices the inventory could not read (`error` set) are left out:
     their memory numbers would be zeros, not measurements.
     """
     try:
-        read = importlib.import_module(f"{__package__}.inventory").read_inventory
+        read = importlib.import_module("..inputs.inventory", __package__).read_inventory
     except (ImportError, AttributeError):
         return None
 

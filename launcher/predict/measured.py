@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .paths import cache_dir
+from ..paths import cache_dir
 
 _DECISIONS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs",
               "max_num_batched_tokens", "enforce_eager", "vllm_version")
@@ -56,7 +56,7 @@ def lookup(key: str) -> dict[str, Any] | None:
 
 def record(d: dict[str, Any], kv_bytes: int, source: str) -> Path:
     """Remember vLLM's measured KV bytes for the plan `d` (atomically)."""
-    from .emit import atomic_write
+    from ..run.emit import atomic_write
 
     data = _load()
     data[plan_key(d)] = {"kv_cache_memory_bytes": int(kv_bytes), "source": source,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .arch import Tensor
-from .model import DTYPE_BYTES, ModelSpec, Quant
+from ..inputs.arch import Tensor
+from ..inputs.model import DTYPE_BYTES, ModelSpec, Quant
 
 GiB = 1 << 30
 MiB = 1 << 20

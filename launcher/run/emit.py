@@ -22,7 +22,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 PLAN_FILE = "plan.json"
 ARGS_FILE = "vllm-args"

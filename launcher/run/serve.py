@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..inputs.hardware import Hardware
+from ..inputs.model import ModelSpec
+from ..predict.budget import GiB
+from ..predict.capabilities import lesson_key, record_lesson
+from ..predict.planner import Pins, Plan, make_plan
+from ..render import plan_text
 from . import vllmlog
-from .budget import GiB
-from .capabilities import lesson_key, record_lesson
-from .hardware import Hardware
-from .model import ModelSpec
-from .planner import Pins, Plan, make_plan
-from .render import plan_text
 from .runner import VllmRunner, arg_value, free_port, prefixed_echo
 
 STARTUP_SECONDS_BASE = 300
@@ -294,7 +294,7 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
 def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: int | None,
              metrics_bind: str, log_dir: Path, dry_run: bool, verbose: bool,
              startup_timeout: float | None, out: Callable[[str], None] = print) -> int:
-    """One node of a multi-node plan (`launcher.multinode.NodeLaunch`), supervised.
+    """One node of a multi-node plan (`launcher.run.multinode.NodeLaunch`), supervised.
 
     The leader is watched like `serve` (ready, planned vs actual, exporter); a headless worker
     only runs until vLLM exits. Re-planning is not attempted: the group must agree on one plan.
@@ -342,7 +342,7 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
 
 def learn_measured_kv(d: dict[str, Any], alloc: vllmlog.Allocation) -> str | None:
     """Record what vLLM measured (its startup-plan files) as ground truth for the next plan."""
-    from . import measured
+    from ..predict import measured
 
     if d["kv_cache"].get("pinned"):
         return None
@@ -371,7 +371,7 @@ def _drop_flag(args: list[str], name: str) -> list[str]:
 
 def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,
                     out: Callable[[str], None]):
-    from .exporter import Exporter
+    from ..observe.exporter import Exporter
 
     exp = Exporter(vllm_url=base_url, plan=plan)
     try:

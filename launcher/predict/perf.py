@@ -36,10 +36,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..inputs.hardware import Hardware
+from ..inputs.model import ModelSpec
+from ..inputs.workload import SLO, Workload
 from . import budget as B
-from .hardware import Hardware
-from .model import ModelSpec
-from .workload import SLO, Workload
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .emit import atomic_write
-from .paths import cache_dir
+from ..paths import cache_dir
+from ..run.emit import atomic_write
 
 
 def _store() -> Path:

@@ -1,0 +1,2 @@
+"""Watching and explaining: the Prometheus exporter and the doctor for failed starts.
+"""

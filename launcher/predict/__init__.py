@@ -1,0 +1,3 @@
+"""Pure predictions and decisions: the budget and performance models, the planner, capacity, and
+what measurements teach them.
+"""

@@ -1,0 +1,3 @@
+"""Running vLLM: the supervised process, serve/exec, multi-node launch, tune and its load
+generator.
+"""

@@ -387,8 +387,6 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
     """Start vLLM on an emitted plan (the main container of the init-container pattern)."""
     import os
 
-    from .inputs.hardware import parse_gpus
-    from .inputs.model import load_model
     from .run.emit import load_plan
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
@@ -408,24 +406,9 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
                           metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                           dry_run=opts["dry_run"], verbose=opts["verbose"],
                           startup_timeout=opts["startup_timeout"], out=click.echo))
-    spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
-    g = d["gpus"]
-    hw = parse_gpus("cpu" if g["platform"] == "cpu" else
-                    f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}")
-    if g["platform"] != "cpu":
-        from dataclasses import replace
+    from .predict.planner import inputs_from_plan
 
-        hw = replace(hw, total_bytes=g["total_bytes"], free_bytes=g["free_bytes"],
-                     source=g.get("source", "plan"))
-    p, kv = d["parallel"], d["kv_cache"]
-    pins = _pins(tp=p["tp"], pp=p["pp"], dp=p["dp"], expert_parallel=p["expert_parallel"],
-                 max_model_len=d["max_model_len"], kv_cache_dtype=kv["dtype"],
-                 gpu_memory_utilization=None if kv.get("pinned") else d["gpu_memory_utilization"],
-                 kv_cache_memory_bytes=kv["memory_bytes"] if kv.get("pinned") else None,
-                 max_num_seqs=d["max_num_seqs"],
-                 max_num_batched_tokens=d["max_num_batched_tokens"],
-                 enforce_eager=bool(d.get("enforce_eager")),
-                 vllm_version=d.get("vllm_version"))
+    spec, hw, pins = inputs_from_plan(d)
     _run_serve(spec, hw, pins, extra, opts, goals_from_plan(d))
 
 

@@ -39,3 +39,15 @@ def read_yaml(path: Path) -> Any:
     """A YAML file parsed once per process (re-read if it changes), with libyaml when present:
     `vlaunch plan` reads every profile and must answer in well under a second."""
     return _read_yaml(str(path), path.stat().st_mtime_ns)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A cache file as a dict; {} when it is missing, unreadable or not a JSON object (a corrupt
+    cache is ignored, never trusted)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}

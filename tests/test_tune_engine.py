@@ -87,6 +87,10 @@ class ForeignEngines:
         return self.seen - ours
 
 
+FIRST_RUN: dict = {}
+"""The first test's tune.json, for the same-seed comparison that follows it."""
+
+
 def _meets(spec: LoadSpec) -> tuple[bool, dict]:
     s = run_benchmark(spec, timeout=300)
     return s["failed"] == 0 and s["slo_fraction"] >= 0.9, s
@@ -112,6 +116,7 @@ def test_tune_on_the_cpu_engine(tiny_model: Path, tmp_path: Path):
     assert wall <= BUDGET_S + 15, f"took {wall:.0f}s for a {BUDGET_S}s budget"
     doc = json.loads((out / "tune.json").read_text())
     assert doc["starts"] <= 3
+    FIRST_RUN.update(doc=doc, tiny_model=tiny_model)
     pids = _vllm_pids(out)
     assert pids, "no vLLM pid found in the trial logs"
     assert not [p for p in pids if _alive(p)], "vLLM processes survived the tune"
@@ -233,3 +238,29 @@ def _check_calibrated_model(plan_json: Path, rec: dict, doc: dict, cache: Path) 
             os.environ.pop("VLAUNCH_CACHE_DIR", None)
         else:
             os.environ["VLAUNCH_CACHE_DIR"] = before
+
+
+def test_same_seed_same_choice(tmp_path: Path):
+    """A second tune with the same seed and workload (vLLM's defaults and the planner's best,
+    two starts) chooses the same configuration as the first run, or one whose measured goodput
+    is within 10% of it."""
+    from launcher.run.tune import flags_key
+
+    if "doc" not in FIRST_RUN:
+        pytest.skip("the first tune run did not complete; nothing to compare with")
+    first = FIRST_RUN["doc"]["recommended"]
+    out = tmp_path / "tune"
+    env = {**os.environ, "VLAUNCH_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "tune", str(FIRST_RUN["tiny_model"]),
+         "--gpus", "cpu", "--input-len", "64", "--output-len", "32",
+         "--slo", f"ttft={SLO_TTFT_MS:g}ms,tpot={SLO_TPOT_MS:g}ms",
+         "--max-starts", "2", "--rungs", "1", "--budget", f"{BUDGET_S}s", "--seed", "0",
+         "--output", str(out)],
+        capture_output=True, text=True, timeout=BUDGET_S + 120, start_new_session=True, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    second = json.loads((out / "tune.json").read_text())["recommended"]
+    same = flags_key(first["vllm_args"]) == flags_key(second["vllm_args"])
+    g1, g2 = first["measured"]["goodput_rps"], second["measured"]["goodput_rps"]
+    assert same or abs(g1 - g2) / max(g1, g2) < 0.10, (first["vllm_args"], g1,
+                                                       second["vllm_args"], g2)

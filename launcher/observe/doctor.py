@@ -1109,24 +1109,11 @@ class PlanContext:
 
 def context_from_plan(d: dict[str, Any]) -> PlanContext:
     """Model, hardware and pins of an emitted plan.json (as `vlaunch exec` rebuilds them)."""
-    from ..inputs.hardware import parse_gpus
-    from ..inputs.model import load_model
-    from ..predict.planner import Pins, make_plan
+    from ..predict.planner import inputs_from_plan, make_plan
 
-    spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
+    spec, hw, pins = inputs_from_plan(d)
     g = d["gpus"]
     gpus = "cpu" if g["platform"] == "cpu" else f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}"
-    hw = parse_gpus(gpus)
-    if g["platform"] != "cpu":
-        hw = dataclasses.replace(hw, total_bytes=g["total_bytes"], free_bytes=g["free_bytes"],
-                                 source=g.get("source", "plan"))
-    p, kv = d["parallel"], d["kv_cache"]
-    pins = Pins(tp=p["tp"], pp=p["pp"], dp=p["dp"], expert_parallel=p["expert_parallel"],
-                max_model_len=d["max_model_len"], kv_cache_dtype=kv["dtype"],
-                gpu_memory_utilization=None if kv.get("pinned") else d["gpu_memory_utilization"],
-                kv_cache_memory_bytes=kv["memory_bytes"] if kv.get("pinned") else None,
-                max_num_seqs=d["max_num_seqs"], max_num_batched_tokens=d["max_num_batched_tokens"],
-                enforce_eager=bool(d.get("enforce_eager")), vllm_version=d.get("vllm_version"))
     return PlanContext(spec, hw, pins, make_plan(spec, hw, pins), gpus)
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir
+from ..paths import cache_dir, read_json_object
 from ..run.emit import atomic_write
 
 
@@ -24,11 +24,7 @@ def _store() -> Path:
 
 
 def _load() -> dict[str, Any]:
-    try:
-        data = json.loads(_store().read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_object(_store())
 
 
 def family(model: str, gpu: str, vllm_version: str) -> str:

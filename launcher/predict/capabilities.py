@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..inputs.hardware import GiB, Hardware
-from ..paths import cache_dir, profiles_dir, read_yaml
+from ..paths import cache_dir, profiles_dir, read_json_object, read_yaml
 
 
 @functools.lru_cache(maxsize=1)
@@ -147,11 +147,7 @@ def lesson_key(hw: Hardware, attention: str, vllm_version: str) -> str:
 
 
 def lessons() -> dict[str, dict[str, Any]]:
-    try:
-        data = json.loads(_lessons_path().read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_object(_lessons_path())
 
 
 def record_lesson(key: str, supported: bool, reason: str) -> Path:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir
+from ..paths import cache_dir, read_json_object
 
 _DECISIONS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs",
               "max_num_batched_tokens", "enforce_eager", "vllm_version")
@@ -40,11 +40,7 @@ def _store() -> Path:
 
 
 def _load() -> dict[str, Any]:
-    try:
-        data = json.loads(_store().read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_object(_store())
 
 
 def lookup(key: str) -> dict[str, Any] | None:

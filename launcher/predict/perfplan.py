@@ -15,7 +15,6 @@ SLO) and reads calibrations that `vlaunch tune` recorded.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,15 +164,12 @@ def performance_dict(a: Assessment | None, objective: str, workload: Workload, s
 
 def shape_from_plan(d: dict[str, Any]) -> perf.EngineShape | None:
     """Rebuild the performance model's engine from a plan dict (for calibration records)."""
-    from ..inputs.hardware import cpu_hardware, parse_gpus
-    from ..inputs.model import load_model
     from .budget import Layout
     from .capabilities import version_traits
+    from .planner import inputs_from_plan
 
-    spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
-    g, p, kv = d["gpus"], d["parallel"], d["kv_cache"]
-    hw = cpu_hardware() if g["platform"] == "cpu" else parse_gpus(
-        f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}")
+    spec, hw, _ = inputs_from_plan(d)
+    p, kv = d["parallel"], d["kv_cache"]
     layout = Layout(p["tp"], p["pp"], p["dp"], bool(p["expert_parallel"]), p.get("nodes", 1))
     traits = version_traits(d["vllm_version"])
     return perf.engine_shape(spec, hw, layout, kv["bytes_per_token"], kv["tokens"],
@@ -181,6 +177,3 @@ def shape_from_plan(d: dict[str, Any]) -> perf.EngineShape | None:
                              bool(d["enable_chunked_prefill"]), perf.DEFAULT,
                              gemm_scale(spec, traits))
 
-
-def with_constants(a: Assessment, constants: perf.Constants) -> perf.EngineShape:
-    return dataclasses.replace(a.shape, constants=constants)

@@ -720,6 +720,32 @@ def _explain(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
                  "by TP")
 
 
+def inputs_from_plan(d: dict[str, Any]) -> tuple[ModelSpec, Hardware, Pins]:
+    """What an emitted plan was made from: its model, the hardware as the plan saw it (free
+    memory included) and every decision pinned, so `exec`, the doctor and calibration re-plan
+    exactly that plan."""
+    from dataclasses import replace
+
+    from ..inputs.hardware import parse_gpus
+    from ..inputs.model import load_model
+
+    spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
+    g = d["gpus"]
+    hw = parse_gpus("cpu" if g["platform"] == "cpu" else
+                    f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}")
+    if g["platform"] != "cpu":
+        hw = replace(hw, total_bytes=g["total_bytes"], free_bytes=g["free_bytes"],
+                     source=g.get("source", "plan"))
+    p, kv = d["parallel"], d["kv_cache"]
+    pins = Pins(tp=p["tp"], pp=p["pp"], dp=p["dp"], expert_parallel=p["expert_parallel"],
+                max_model_len=d["max_model_len"], kv_cache_dtype=kv["dtype"],
+                gpu_memory_utilization=None if kv.get("pinned") else d["gpu_memory_utilization"],
+                kv_cache_memory_bytes=kv["memory_bytes"] if kv.get("pinned") else None,
+                max_num_seqs=d["max_num_seqs"], max_num_batched_tokens=d["max_num_batched_tokens"],
+                enforce_eager=bool(d.get("enforce_eager")), vllm_version=d.get("vllm_version"))
+    return spec, hw, pins
+
+
 # ----------------------------------------------------------------------------- suggestions
 
 

@@ -134,7 +134,7 @@ def test_kv_cache_caps_running_requests():
 
 def test_calibration_recovers_known_scales():
     # Points generated with fixed costs x2 and rooflines x0.5: the fit finds them again.
-    s, w = toy(), Workload(256, 64)
+    s, w = toy(), Workload(256, 64, synchronized=True)  # tune measures benchmark waves
     truth = perf.Calibration(2.0, 0.5, 0, 0)
     true_shape = dataclasses.replace(s, constants=perf.scaled(K, truth))
     points = []
@@ -181,7 +181,8 @@ def test_calibration_is_recorded_and_plans_say_measured(tmp_path, monkeypatch):
     pins = Pins(vllm_version="0.32.0", tp=1, kv_cache_dtype="auto")
     d = make_plan(spec, hw, pins).to_dict()
     assert d["performance"]["source"] == "model"
-    w = Workload(d["performance"]["input_len"], d["performance"]["output_len"])
+    w = Workload(d["performance"]["input_len"], d["performance"]["output_len"],
+                 synchronized=True)
     a = make_plan(spec, hw, pins).performance
     slow = dataclasses.replace(a.shape, constants=perf.scaled(K, perf.Calibration(3.0, 1.5, 0,
                                                                                     0)))

@@ -229,7 +229,7 @@ def _check_calibrated_model(plan_json: Path, rec: dict, doc: dict, cache: Path) 
         assert len({p["concurrency"] for p in picks}) == 3, picks
         errors = []
         for p in picks:
-            w = Workload(int(p["input_len"]), int(p["output_len"]))
+            w = Workload(int(p["input_len"]), int(p["output_len"]), synchronized=True)
             got = perf.point(shape, w, float(p["concurrency"])).output_tokens_per_s
             errors.append((p["concurrency"], got / p["output_tokens_per_s"] - 1))
         assert all(abs(e) <= 0.2 for _, e in errors), errors

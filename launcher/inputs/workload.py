@@ -39,6 +39,10 @@ class Workload:
     output_len: int
     name: str = "custom"
     assumed: bool = False
+    synchronized: bool = False
+    """Every request has exactly these lengths and the clients start together, as benchmark
+    clients (vllm bench serve's random dataset) do: the requests then move in waves. Real users
+    arrive at random times with varied lengths: staggered (False)."""
 
     def describe(self) -> str:
         text = f"{self.input_len:,} prompt + {self.output_len:,} answer tokens per request"

@@ -17,8 +17,9 @@ costs the larger of two rooflines plus fixed costs:
 
 Prefill is compute-bound: a prompt's tokens cost their FLOPs at `prefill_efficiency`. With
 chunked prefill the chunks ride in decode steps, so every prompt adds its compute to the steps
-of the requests already running and waits behind the others: closed-loop clients with fixed
-lengths move in waves, so half of the other prompts land in TTFT and half in TPOT.
+of the requests already running. Staggered users meet the other prompts while decoding (TPOT)
+and queue behind the prefill share of engine time (TTFT); benchmark clients with fixed lengths
+move in waves, so half the other prompts land in TTFT and half in TPOT.
 Closed-loop concurrency C then gives, by Little's law, C / (TTFT + (output - 1) x TPOT)
 requests per second.
 
@@ -82,6 +83,10 @@ class Constants:
 DEFAULT = Constants()
 
 # ----------------------------------------------------------------------------- engine shape
+
+
+MAX_RHO = 0.95
+"""Cap on the prefill share of engine time in the staggered TTFT queueing term."""
 
 
 @dataclass(frozen=True)
@@ -353,13 +358,21 @@ def point(s: EngineShape, w: Workload, concurrency: float) -> Point:
     else:  # a whole prompt is its own step (V0, MLA on the CPU backend)
         own = prefill_step_s(s, w.input_len, 0, 0)
         prefill_add = own
-    # Closed-loop clients with fixed lengths (benchmarks, batch jobs) move in waves: the other
-    # b - 1 prompts of a wave are prefilled once per cycle, on average half of them before a
-    # request's first token (TTFT) and half in the steps it decodes in (TPOT). Every request's
-    # E2E carries all of them: own + (b - 1) x prefill + (O - 1) x decode step.
+    # Every request's E2E carries the other b - 1 prompts it shares the engine with:
+    # own + (b - 1) x prefill + (O - 1) x decode step. Staggered users (random arrivals) meet
+    # them while decoding (TPOT) and wait only behind the prefill share of engine time (rho) for
+    # their first token. Synchronized clients (fixed lengths, started together: benchmarks)
+    # move in waves: half the wave's prompts before the first token (TTFT), half in decode.
     others = max(b - 1, 0) * prefill_add
-    tpot = t_dec + others / 2 / steps
-    ttft = own + others / 2 + t_dec / 2 + s.constants.request_us * 1e-6
+    request = s.constants.request_us * 1e-6
+    if w.synchronized:
+        tpot = t_dec + others / 2 / steps
+        ttft = own + others / 2 + t_dec / 2 + request
+    else:
+        tpot = t_dec + others / steps
+        cycle = steps * t_dec + b * prefill_add  # engine time in which b requests complete
+        rho = min(b * prefill_add / cycle, MAX_RHO) if cycle else 0.0
+        ttft = own / (1 - rho) + t_dec / 2 + request
     e2e = ttft + steps * tpot
     rate = b / e2e  # requests per second one engine completes while saturated
     if per_engine > b:  # the rest wait for a slot: Little's law on the closed loop
@@ -477,7 +490,10 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
         return None
     engines = []
     for m in pts:
-        engines.append((m, Workload(int(m["input_len"]), int(m["output_len"])),
+        # tune measures with vLLM's benchmark on fixed lengths: synchronized clients
+        w = Workload(int(m["input_len"]), int(m["output_len"]),
+                     synchronized=bool(m.get("synchronized", True)))
+        engines.append((m, w,
                         dataclasses.replace(
                             s, max_num_seqs=int(m.get("max_num_seqs") or s.max_num_seqs),
                             max_num_batched_tokens=int(m.get("max_num_batched_tokens")

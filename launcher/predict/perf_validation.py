@@ -76,7 +76,9 @@ def expressible(row: dict[str, str]) -> tuple[Workload, float]:
         raise InputError("input/output lengths not stated")
     if " x input_len" in row["tpot_ms_mean"]:
         raise InputError("a fitted line, predicted separately (itl_lines)")
-    return Workload(int(isl), int(osl)), _concurrency(row)
+    # random datasets have fixed lengths and the clients start together: waves
+    synchronized = row["dataset"].strip().lower().startswith("random")
+    return Workload(int(isl), int(osl), synchronized=synchronized), _concurrency(row)
 
 
 def shape_for(row: dict[str, str], shared: Path, w: Workload,

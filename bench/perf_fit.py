@@ -56,9 +56,9 @@ def cases() -> list[tuple[str, perf.EngineShape, Workload, float, float | None, 
             except InputError:
                 continue
             burst = "request_rate=inf" in row["concurrency_or_request_rate"]
-            tpot = None if burst else perf_validation._first_number(row["tpot_ms_mean"])
+            tpot = None if burst else perf_validation.first_number(row["tpot_ms_mean"])
             out.append((row["id"], s, w, conc, tpot,
-                        perf_validation._first_number(row["output_tok_s"])))
+                        perf_validation.first_number(row["output_tok_s"])))
     return out
 
 

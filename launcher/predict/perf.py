@@ -124,8 +124,8 @@ class EngineShape:
     gemm_scale: float = 1.0
 
 
-def _active_counts(spec: ModelSpec) -> tuple[float, float, float]:
-    """(dense matmul params, routed-expert params, dense stored bytes) of the loaded model."""
+def _active_counts(spec: ModelSpec) -> tuple[float, float]:
+    """(dense matmul params, routed-expert params) of the loaded model."""
     dense = experts = 0.0
     for t in spec.tensors:
         if not t.loaded or t.part in ("embed", "vision") or t.cols == 1:
@@ -134,7 +134,7 @@ def _active_counts(spec: ModelSpec) -> tuple[float, float, float]:
             experts += t.elements
         else:
             dense += t.elements
-    return dense, experts, 0.0
+    return dense, experts
 
 
 def _bytes_per_rank(spec: ModelSpec, layout: B.Layout) -> tuple[float, float]:
@@ -189,7 +189,7 @@ def engine_shape(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_bytes_per_t
         constants = dataclasses.replace(constants, gemm_m_half=kind.gemm_m_half)
     fp8_weights = spec.quant.method.startswith("fp8")
     tflops = kind.fp8_tflops if fp8_weights and kind.fp8_tflops else kind.bf16_tflops
-    dense_p, expert_p, _ = B.memo("active", spec, B.Layout(), lambda: _active_counts(spec))
+    dense_p, expert_p = B.memo("active", spec, B.Layout(), lambda: _active_counts(spec))
     topk = spec.experts_per_token if spec.is_moe else 0
     active = dense_p + (expert_p * topk / spec.num_experts if spec.is_moe else 0.0)
     gpus = layout.tp * layout.pp

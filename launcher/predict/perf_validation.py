@@ -22,7 +22,7 @@ from . import perf
 from .budget import Layout
 from .capabilities import version_traits
 from .planner import Pins, evaluate
-from .validation import _find_model, _version
+from .validation import find_model, version_of
 
 
 @dataclass
@@ -37,7 +37,7 @@ class PerfResult:
         return (self.predicted - self.observed) / self.observed
 
 
-def _first_number(text: str) -> float | None:
+def first_number(text: str) -> float | None:
     m = re.match(r"\s*~?\s*(\d+(?:\.\d+)?(?:e-?\d+)?)", text or "")
     return float(m.group(1)) if m else None
 
@@ -50,8 +50,8 @@ def _concurrency(row: dict[str, str]) -> float:
     m = re.search(r"(?:batch of|batch:? all|offline, )\s*(\d+)", text)
     if m:
         return float(m.group(1))
-    if "request_rate=inf" in text and _first_number(row["num_prompts"]):
-        return float(_first_number(row["num_prompts"]) or 0)
+    if "request_rate=inf" in text and first_number(row["num_prompts"]):
+        return float(first_number(row["num_prompts"]) or 0)
     raise InputError(f"no closed-loop concurrency in '{text}' (open-loop rate or not stated)")
 
 
@@ -71,7 +71,7 @@ def expressible(row: dict[str, str]) -> tuple[Workload, float]:
     if "disaggregated" in row["notes"] or "Prefill-only" in row["notes"]:
         raise InputError("prefill/decode disaggregation (separate pools, DBO, DeepEP): "
                          "the model describes one engine serving both phases")
-    isl, osl = _first_number(row["isl"]), _first_number(row["osl"])
+    isl, osl = first_number(row["isl"]), first_number(row["osl"])
     if not isl or not osl:
         raise InputError("input/output lengths not stated")
     if " x input_len" in row["tpot_ms_mean"]:
@@ -83,16 +83,16 @@ def expressible(row: dict[str, str]) -> tuple[Workload, float]:
 
 def shape_for(row: dict[str, str], shared: Path, w: Workload,
               constants: perf.Constants = perf.DEFAULT) -> perf.EngineShape:
-    spec = _find_model(row["model"].split(" ")[0].split("(")[0], shared)
+    spec = find_model(row["model"].split(" ")[0].split("(")[0], shared)
     kind = gpu_kind(_gpu(row["gpu"]))
-    n = int(_first_number(row["n_gpus"]) or 1)
-    nodes = int(_first_number(row["nodes"]) or 1)
-    tp, pp = int(_first_number(row["tp"]) or 1), int(_first_number(row["pp"]) or 1)
-    dp = int(_first_number(row["dp"]) or 1)
+    n = int(first_number(row["n_gpus"]) or 1)
+    nodes = int(first_number(row["nodes"]) or 1)
+    tp, pp = int(first_number(row["tp"]) or 1), int(first_number(row["pp"]) or 1)
+    dp = int(first_number(row["dp"]) or 1)
     ep = row["ep"].strip().lower().startswith("yes")
     hw = Hardware(kind=kind, nodes=nodes, gpus_per_node=n // nodes,
                   total_bytes=kind.total_bytes, free_bytes=kind.total_bytes, source="validation")
-    version = _version(row["engine_version"].replace(">=", ""))
+    version = version_of(row["engine_version"].replace(">=", ""))
     traits = version_traits(version)
     v0 = traits.engine == "v0"
     kv = "fp8" if row["kv_cache_dtype"].startswith("fp8") else "auto"
@@ -121,8 +121,8 @@ def predict_row(row: dict[str, str], shared: Path,
     # request_rate=inf sends every prompt at once: one wave, TPOT mostly queueing; the
     # source README says to use such rows for throughput ceilings only.
     burst = "request_rate=inf" in row["concurrency_or_request_rate"]
-    tpot = None if burst else _first_number(row["tpot_ms_mean"])
-    tput = _first_number(row["output_tok_s"])
+    tpot = None if burst else first_number(row["tpot_ms_mean"])
+    tput = first_number(row["output_tok_s"])
     if tpot:
         out.append(PerfResult(row["id"], "tpot_ms", p.tpot_ms, tpot))
     if tput:
@@ -142,7 +142,7 @@ def itl_line(row: dict[str, str], shared: Path,
     if not m:
         raise InputError("unreadable fitted line")
     a, b = float(m.group(1)), float(m.group(2))
-    osl = int(_first_number(row["osl"]) or 128)
+    osl = int(first_number(row["osl"]) or 128)
     out = []
     for ctx in ITL_CONTEXTS:
         w = Workload(ctx, osl)

@@ -146,6 +146,7 @@ class Plan:
     objective: str = "balanced"
     workload: Workload | None = None
     slo: SLO | None = None
+    why_not: dict[int, str] = field(default_factory=dict)  # id(runner-up) -> the figure it lost on
 
     @property
     def fits(self) -> bool:
@@ -262,9 +263,6 @@ class Plan:
                 "performance": self._performance(a) if a else None,
                 "summary": c.summary(), "why_not": why}
 
-    @property
-    def why_not(self) -> dict[int, str]:
-        return getattr(self, "_why_not", {})
 
 
 # ----------------------------------------------------------------------------- search
@@ -528,7 +526,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                 alternatives=cands[1:6], enforce_eager=pins.enforce_eager,
                 performance=assessed.get(id(best)), assessments=assessed, objective=objective,
                 workload=workload, slo=slo)
-    plan._why_not = {id(c): _why_not(c, assessed.get(id(c)), best, assessed.get(id(best)),
+    plan.why_not = {id(c): _why_not(c, assessed.get(id(c)), best, assessed.get(id(best)),
                                      objective) for c in cands[1:6]}
     if not pinned and best.fits:
         _apply_measured(plan)

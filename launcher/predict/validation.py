@@ -41,7 +41,7 @@ def _num(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _version(text: str) -> str:
+def version_of(text: str) -> str:
     m = re.search(r"(\d+\.\d+(?:\.\d+)?)", text or "")
     if not m:
         raise InputError(f"no version in '{text}'")
@@ -49,7 +49,7 @@ def _version(text: str) -> str:
     return v if v.count(".") == 2 else v + ".0"
 
 
-def _find_model(name: str, shared: Path) -> ModelSpec:
+def find_model(name: str, shared: Path) -> ModelSpec:
     try:
         return load_model(name)
     except InputError:
@@ -69,14 +69,14 @@ def predict_row(row: dict[str, str], shared: Path) -> list[RowResult]:
     quant = row["weights_dtype_or_quant"].lower()
     if "awq" in quant or "dummy" in quant:
         raise InputError(f"{row['model']}: checkpoint config not available ({quant})")
-    spec = _find_model(row["model"], shared)
+    spec = find_model(row["model"], shared)
     kind = gpu_kind(row["gpu_class"].split()[0].replace("(inferred)", ""))
     total_gib = _num(row["gpu_total_mem_reported_gib"])
     total = int(total_gib * GiB) if total_gib else kind.total_bytes
     tp, pp = int(_num(row["tp"]) or 1), int(_num(row["pp"]) or 1)
     hw = Hardware(kind=kind, nodes=1, gpus_per_node=tp * pp, total_bytes=total,
                   free_bytes=total, source="validation")
-    version = _version(row["vllm_version"])
+    version = version_of(row["vllm_version"])
     traits = version_traits(version)
     engine = "v0" if "V0" in row["engine"] else "v1"
     align = 128 if "VLLM_MLA_CUDA_MEM_ALIGN_KV_CACHE=1" in row["evidence"] or \

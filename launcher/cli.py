@@ -39,10 +39,17 @@ def cli() -> None:
     """Plan, start and watch vLLM deployments that fit the first time."""
 
 
+def format_option(help: str, *extra: str):
+    """`--format` as every command spells it: text (the default) and json, plus `extra`."""
+    return click.option("--format", "fmt", type=click.Choice(["text", "json", *extra]),
+                        default="text", show_default=True, help=help)
+
+
 @cli.command("exporter")
 @click.option("--vllm-url", required=True, help="vLLM server to scrape, e.g. http://host:8000.")
-@click.option("--plan", "plan_path", type=click.Path(dir_okay=False),
-              help="Plan JSON (vlaunch plan --json) for the planned-vs-actual series.")
+@click.option("--plan", "plan_path", type=click.Path(),
+              help="plan.json (or its folder) written by `vlaunch plan --emit DIR` or "
+                   "`vlaunch plan --format json -o FILE`, for the planned-vs-actual series.")
 @click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True)
 @click.option("--bind", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
@@ -61,8 +68,7 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
 
 
 @cli.command("gpus")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
-              show_default=True, help="A table for people, or JSON for scripts.")
+@format_option("text: a table for people; json: for scripts.")
 def gpus_cmd(fmt: str) -> None:
     """List the GPUs this process may use, as NVML reads them now."""
     import json
@@ -106,7 +112,6 @@ def _pins(**kw) -> Pins:  # noqa: F821 - imported lazily to keep `--help` fast
     return Pins(**kw)
 
 
-_FORMATS = ["text", "json", "yaml", "args"]
 
 
 def plan_options(f):
@@ -129,10 +134,28 @@ def plan_options(f):
         click.option("--vllm-version", help="Plan for this vLLM version (default: installed)."),
         click.option("--pin-kv-memory", is_flag=True,
                      help="Pin the planned KV bytes with --kv-cache-memory-bytes (deterministic)."),
+        *serving_options(),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return workload_options(f)
+
+
+def serving_options() -> list:
+    """Pins of the serving features (launcher/predict/serving.py): MTP, parsers, all-to-all."""
+    return [
+        click.option("--mtp/--no-mtp", "speculative", default=None,
+                     help="Pin MTP speculative decoding on or off (DeepSeek's MTP layer)."),
+        click.option("--num-speculative-tokens", type=int,
+                     help="Pin MTP's draft tokens per step (implies --mtp)."),
+        click.option("--mtp-acceptance", type=float,
+                     help="Acceptance of the first MTP draft (default: profiles/serving.yaml)."),
+        click.option("--reasoning-parser", help="Pin vLLM's reasoning parser ('none': off)."),
+        click.option("--tool-call-parser", help="Pin vLLM's tool-call parser ('none': off)."),
+        click.option("--chat-template", help="Chat template file for vLLM (tool calling)."),
+        click.option("--all2all-backend",
+                     help="Pin the DP+EP all-to-all backend (e.g. deepep_low_latency)."),
+    ]
 
 
 _WORKLOAD_KEYS = ("input_len", "output_len", "workload", "objective", "slo", "concurrency")
@@ -200,6 +223,21 @@ def format_plan(d: dict, fmt: str) -> str:
     return plan_text(d)
 
 
+_FORMAT_NAMES = {"text": "text", "txt": "text", "json": "json", "yaml": "yaml", "yml": "yaml",
+                 "args": "args", "table": "text"}
+
+
+def _warn_format_named(output: str) -> None:
+    """`-o json` means `--output json` (a file named json), never `--format json`: say so, as
+    the file silently gets the --format text would otherwise surprise."""
+    from pathlib import Path
+
+    fmt = _FORMAT_NAMES.get(Path(output).name.lower())
+    if fmt:
+        click.echo(f"vlaunch: warning: writing to a file named '{output}'; -o names the output "
+                   f"file, the format is chosen with --format {fmt}", err=True)
+
+
 def _write_atomic(path: str, text: str) -> None:
     from .run.emit import atomic_write
 
@@ -209,7 +247,8 @@ def _write_atomic(path: str, text: str) -> None:
 @cli.command("plan")
 @click.argument("model")
 @plan_options
-@click.option("--format", "fmt", type=click.Choice(_FORMATS), default="text", show_default=True)
+@format_option("text for people; json or yaml for scripts; args: vLLM's flags, one a line.",
+               "yaml", "args")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")
 @click.option("--emit", "emit_dir", type=click.Path(file_okay=False),
               help="Write plan.json, vllm-args and vllm.env into DIR (init-container mode).")
@@ -233,6 +272,7 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
         plan_plot(d, plot_path)
     text = format_plan(d, fmt)
     if output:
+        _warn_format_named(output)
         _write_atomic(output, text)
     else:
         click.echo(text)
@@ -264,8 +304,7 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
               help="Extra replicas for failures and rollouts.")
 @click.option("--max-model-len", type=int, help="Context each replica serves (default: full).")
 @click.option("--vllm-version", help="Plan for this vLLM version (default: installed).")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
-              show_default=True)
+@format_option("text: a table for people; json: for scripts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
 def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: tuple[str, ...],
@@ -295,7 +334,7 @@ def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: 
 
 
 @cli.command("profiles")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
+@format_option("text: a table for people; json: for scripts.")
 def profiles_cmd(fmt: str) -> None:
     """Built-in models: size, context, attention type."""
     import json
@@ -327,6 +366,9 @@ def _serve_options(f):
         click.option("--no-metrics", is_flag=True, help="Do not start the exporter."),
         click.option("--port", type=int, help="vLLM's API port (default: a free port)."),
         click.option("--startup-timeout", type=float, help="Seconds before a start-up is a hang."),
+        click.option("--stop-timeout", type=click.FloatRange(0), default=None,
+                     help="Seconds vLLM may drain in-flight requests on a stop before it is "
+                          "killed [default: 120]."),
         click.option("--log-dir", type=click.Path(file_okay=False), default=".",
                      show_default=True, help="Where vLLM's logs go."),
         click.option("-q", "--quiet", is_flag=True, help="Do not print the plan and progress."),
@@ -338,7 +380,7 @@ def _serve_options(f):
     return f
 
 
-def _run_serve(spec, hw, pins, extra, opts, goals=None) -> None:
+def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
     from pathlib import Path
 
     from .run.serve import serve
@@ -350,12 +392,20 @@ def _run_serve(spec, hw, pins, extra, opts, goals=None) -> None:
                    metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
-                   out=lambda s: click.echo(s), goals=goals)
+                   stop_timeout=_stop_timeout(opts), out=lambda s: click.echo(s), goals=goals,
+                   plan_hook=plan_hook)
     sys.exit(result.exit_code)
 
 
 _SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "port",
-               "startup_timeout", "log_dir", "quiet", "verbose", "dry_run")
+               "startup_timeout", "stop_timeout", "log_dir", "quiet", "verbose", "dry_run")
+
+
+def _stop_timeout(opts: dict) -> float:
+    from .run.runner import DEFAULT_STOP_TIMEOUT_S
+
+    value = opts["stop_timeout"]
+    return float(DEFAULT_STOP_TIMEOUT_S if value is None else value)
 
 
 @cli.command("serve", context_settings={"ignore_unknown_options": False})
@@ -366,7 +416,9 @@ _SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "po
 def serve_cmd(model: str, gpus: str | None, extra: tuple[str, ...], **kw) -> None:
     """Plan MODEL, start vLLM on the plan, verify it, recover, and keep it serving.
 
-    Arguments after `--` go to vLLM; a flag given there replaces the plan's (reported).
+    Arguments after `--` go to vLLM; a flag given there replaces the plan's (reported), and
+    --tensor/pipeline/data-parallel-size there are pins. Exit: vLLM's status, 3 when the plan
+    does not fit, 2 for bad input, 128+N when stopped by signal N (143 SIGTERM, 130 SIGINT).
     """
     from .inputs.model import load_model
 
@@ -387,10 +439,12 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
     """Start vLLM on an emitted plan (the main container of the init-container pattern)."""
     import os
 
+    from .predict.plan_check import check_plan
     from .run.emit import load_plan
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     d = load_plan(plan_path)
+    check_plan(d)
     nodes = int(d["parallel"].get("nodes", 1))
     if nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
         from pathlib import Path
@@ -405,11 +459,31 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
                           metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
                           metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                           dry_run=opts["dry_run"], verbose=opts["verbose"],
-                          startup_timeout=opts["startup_timeout"], out=click.echo))
+                          startup_timeout=opts["startup_timeout"],
+                          stop_timeout=_stop_timeout(opts), extra=list(extra), out=click.echo))
     from .predict.planner import inputs_from_plan
 
     spec, hw, pins = inputs_from_plan(d)
-    _run_serve(spec, hw, pins, extra, opts, goals_from_plan(d))
+    _run_serve(spec, hw, pins, extra, opts, goals_from_plan(d), plan_hook=pins_from_plan(d))
+
+
+def pins_from_plan(d: dict):
+    """A plan hook for `exec`: it re-plans with every decision of the emitted plan pinned, so
+    the planner would call values it chose itself at `vlaunch plan` time "pinned by you". Only
+    what the emitted plan already reported as the user's pins keeps that label."""
+    before = [r for r in d.get("reasons") or [] if isinstance(r, str)]
+    user = {r for r in before if "pinned by you" in r}
+    user_layout = any(r.startswith("layout ") and r.endswith(" (pinned)") for r in before)
+
+    def relabel(plan):
+        for i, r in enumerate(plan.reasons):
+            if "pinned by you" in r and r not in user:
+                plan.reasons[i] = r.replace("pinned by you", "from the emitted plan")
+            elif r.startswith("layout ") and r.endswith(" (pinned)") and not user_layout:
+                plan.reasons[i] = r.removesuffix(" (pinned)") + " (from the emitted plan)"
+        return plan
+
+    return relabel
 
 
 def goals_from_plan(d: dict) -> dict | None:
@@ -444,8 +518,7 @@ def goals_from_plan(d: dict) -> dict | None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Benchmark prompt seed.")
 @click.option("--startup-timeout", type=float, help="Seconds before a start-up is a hang.")
 @click.option("--plot", is_flag=True, help="Also draw tune.png (needs matplotlib).")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
-              show_default=True, help="json: tune.json on stdout (progress stays on stderr).")
+@format_option("json: tune.json on stdout (progress stays on stderr).")
 @click.option("-v", "--verbose", is_flag=True, help="Show each trial's vLLM command.")
 def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_dir: str,
              resume: bool, candidates: tuple[str, ...], max_concurrency: int | None,
@@ -497,8 +570,7 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
               help="plan.json (or its folder) the failed run was started from: fixes are "
                    "re-planned from it.")
 @plan_options
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
-              show_default=True, help="json: {diagnoses: [...]}, the first the root cause.")
+@format_option("json: {diagnoses: [...]}, the first the root cause.")
 def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpus: str | None,
                fmt: str, **kw) -> None:
     """Say why a vLLM start failed, which memory consumer to attack, and the exact fix.

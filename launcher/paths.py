@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +43,54 @@ def read_yaml(path: Path) -> Any:
     return _read_yaml(str(path), path.stat().st_mtime_ns)
 
 
+_REPORTED: set[str] = set()
+
+
+def report_corrupt(path: Path, why: str) -> None:
+    """Say on stderr, once per process and file, that a cache is being ignored: silence would
+    hide a disk or permission problem, and a traceback would stop a plan that can do without
+    the cache."""
+    if str(path) in _REPORTED:
+        return
+    _REPORTED.add(str(path))
+    print(f"vlaunch: warning: cache {path}: {why}; ignored, never trusted (delete the file to "
+          "start afresh)", file=sys.stderr)
+
+
 def read_json_object(path: Path) -> dict[str, Any]:
     """A cache file as a dict; {} when it is missing, unreadable or not a JSON object (a corrupt
-    cache is ignored, never trusted)."""
+    cache is reported once and ignored, never trusted). Callers check each entry's types."""
     import json
 
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        report_corrupt(path, f"unreadable: {e}")
+        return {}
+    if not isinstance(data, dict):
+        report_corrupt(path, f"a JSON {type(data).__name__}, not an object")
+        return {}
+    return data
+
+
+def update_json_object(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
+    """Read-modify-write a JSON cache under an exclusive lock, replacing the file atomically.
+
+    Two runs recording at once (a `serve` and a `tune`, two pods on one cache volume) would
+    otherwise each read the old file and the second rename would drop the first one's entry.
+    The lock is a sidecar file (`.NAME.lock`), so readers never wait: they see the old file or
+    the new one, never a mix.
+    """
+    import fcntl
+    import json
+
+    from .run.emit import atomic_write
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        data = read_json_object(path)
+        change(data)
+        return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -13,13 +13,16 @@ _SEGMENTS = (("weights_bytes", "W", "weights"), ("activation_bytes", "A", "activ
 
 
 def budget_bar(per_gpu: dict[str, int], total: int, width: int = 60) -> list[str]:
-    """A stacked bar of one GPU: each consumer's share of the card's total, then headroom."""
+    """A stacked bar of one GPU: each consumer's share of the card's total, then headroom.
+
+    Each segment's length is its share clamped to what is left of `width`, so a consumer many
+    times the card (a nonsense config, a plan that does not fit) fills the bar instead of
+    allocating a string as long as its ratio."""
     bar, used = "", 0
     for key, char, _ in _SEGMENTS:
-        n = round(per_gpu.get(key, 0) / total * width) if total else 0
-        bar += char * n
+        share = max(0.0, per_gpu.get(key, 0) / total) if total > 0 else 0.0
+        bar += char * min(width - len(bar), round(min(share, 1.0) * width))
         used += per_gpu.get(key, 0)
-    bar = bar[:width]
     bar += "." * (width - len(bar))
     legend = "  ".join(f"{char}={name} {per_gpu.get(key, 0) / GiB:.2f}"
                        for key, char, name in _SEGMENTS)
@@ -51,6 +54,12 @@ def plan_text(d: dict[str, Any]) -> str:
                   f"  KV cache: {kv['tokens']:,} tokens per engine "
                   f"({kv['bytes_per_token']:,} B/token per GPU), max concurrency "
                   f"{d['max_concurrency']:.2f}x at {d['max_model_len']:,} tokens"]
+    kinds = kv.get("layer_kinds") or {}
+    if d["fits"] and len(kinds) > 1:
+        lines.append("  KV cache layers: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
+                     + f" in {kv.get('groups', 1)} groups sharing one pool; one "
+                     f"{d['max_model_len']:,}-token request holds "
+                     f"{kv.get('blocks_per_request') or 0:,} blocks")
     if d["fits"] and d.get("per_stage"):
         lines.append("  pipeline stages (one rank each): " + "; ".join(
             f"{i}: {st['layers']} layers, weights {st['weights_bytes'] / GiB:.1f} GiB, "
@@ -64,9 +73,10 @@ def plan_text(d: dict[str, Any]) -> str:
     lines += performance_lines(d)
     for title, key in (("why", "reasons"), ("warnings", "warnings"),
                        ("what would fit", "suggestions")):
-        if d.get(key):
+        items = [x for x in d.get(key) or () if str(x).strip()]
+        if items:  # a heading only above something to read
             lines.append(f"  {title}:")
-            lines += [f"    - {x}" for x in d[key]]
+            lines += [f"    - {x}" for x in items]
     if d["fits"] and g["nodes"] > 1:
         lines += ["  commands (one per node; vlaunch exec builds them from the LeaderWorkerSet "
                   "environment):"] + _node_commands(d)

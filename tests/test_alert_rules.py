@@ -80,3 +80,27 @@ def test_promtool_test_rules_catches_a_broken_threshold(tmp_path):
 def test_sample_scrape_config_is_valid(tmp_path):
     r = _promtool("check", "config", "prometheus.yml")
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_promtool
+def test_engine_down_rule_tests_cover_a_loading_engine(tmp_path):
+    # The rule tests include a 40-minute model load: the old rule (down alone) fires on it and
+    # fails them, so "a loading engine does not page" is really tested.
+    rules = RULES.read_text()
+    new = "(vlaunch_engine_up == 0) unless (vlaunch_engine_starting == 1)"
+    assert new in rules
+    (tmp_path / "alerts.yaml").write_text(rules.replace(new, "vlaunch_engine_up == 0"))
+    shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
+    r = _promtool("test", "rules", RULE_TESTS.name, cwd=tmp_path)
+    assert r.returncode != 0
+    assert "gpu-node-3:9400" in r.stdout + r.stderr  # the loading engine fired
+
+
+def test_alerts_use_only_metrics_the_exporter_emits():
+    from test_dashboard import metric_names, vlaunch_metric_names
+
+    emitted = vlaunch_metric_names()
+    for name, rule in _alerts().items():
+        for metric in metric_names(rule["expr"]):
+            if metric.startswith("vlaunch_"):
+                assert metric in emitted, f"{name}: {metric} is not an exporter metric"

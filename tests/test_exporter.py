@@ -11,10 +11,12 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import types
 import urllib.request
 from dataclasses import dataclass, field
@@ -108,7 +110,7 @@ def vllm_page(usage: list[float], *, size_tokens: list[int | None] | None = None
 class FakeVllm:
     """A local HTTP server standing in for vLLM's API server; `mode` picks its behaviour."""
 
-    body: str = ""
+    body: str | bytes = ""  # bytes: sent as is (a 30 MB page is not re-encoded per request)
     mode: str = "ok"  # ok | slow | trickle | http500 | garbage_http
     delay_s: float = 0.0
     hits: int = 0
@@ -132,7 +134,7 @@ class FakeVllm:
                     return
                 if fake.mode == "slow":
                     time.sleep(fake.delay_s)
-                body = fake.body.encode()
+                body = fake.body if isinstance(fake.body, bytes) else fake.body.encode()
                 if fake.mode == "http500":
                     self.send_response(500)
                     self.end_headers()
@@ -498,3 +500,275 @@ def test_cli_serves_and_stops_on_sigterm(fake, tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+# ---- the deadline covers the whole fetch (issue 13 item 16) ----------------------------------
+
+
+class RawServer:
+    """A TCP server that misbehaves below HTTP: `stall` accepts and never answers; `drip`
+    sends a status line and headers one byte at a time, never finishing them."""
+
+    def __init__(self, mode: str, byte_every_s: float = 0.05):
+        self.mode, self.byte_every_s = mode, byte_every_s
+        self.stop = threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            if self.mode == "stall":
+                self.stop.wait(30)
+                return
+            head = b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000
+            for i in range(len(head)):
+                if self.stop.wait(self.byte_every_s):
+                    return
+                try:
+                    conn.sendall(head[i:i + 1])
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode", ["stall", "drip"])
+def test_deadline_covers_headers(mode):
+    # A server that drips its headers byte by byte never trips a per-read socket timeout:
+    # only a deadline on the whole fetch ends the scrape on time.
+    server = RawServer(mode)
+    try:
+        exp = ex.Exporter(server.url, plan=PLAN, gpu_reader=None, cache_ttl_s=0, timeout_s=0.5)
+        t0 = time.monotonic()
+        s = scrape(exp)
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    assert took < 1.5, f"scrape took {took:.2f}s with a 0.5s timeout"
+    _assert_engine_series_dropped(s)
+    assert value(s, "vlaunch_scrape_errors_total", target="vllm", reason="timeout") == 1
+
+
+def test_deadline_covers_name_resolution(monkeypatch):
+    # getaddrinfo takes no timeout at all; a hung resolver must not hold the scrape.
+    real = socket.getaddrinfo
+
+    def slow_resolver(host, *args, **kw):
+        if host == "vllm.slow-dns.test":
+            time.sleep(2.0)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_resolver)
+    exp = ex.Exporter("http://vllm.slow-dns.test:8000", gpu_reader=None, cache_ttl_s=0,
+                      timeout_s=0.3)
+    t0 = time.monotonic()
+    s = scrape(exp)
+    assert time.monotonic() - t0 < 1.2
+    assert value(s, "vlaunch_engine_up") == 0
+    assert value(s, "vlaunch_scrape_errors_total", target="vllm", reason="timeout") == 1
+
+
+def test_concurrent_scrapes_share_one_slow_fetch(fake):
+    """Two scrapes while vLLM is slow: both end after one timeout (they share the fetch in
+    flight), not one after the other behind a lock (two timeouts)."""
+    fake.mode, fake.delay_s = "slow", 5.0
+    timeout = 1.0
+    exp = ex.Exporter(fake.url, plan=PLAN, gpu_reader=None, cache_ttl_s=0, timeout_s=timeout)
+    results: list[dict] = []
+    barrier = threading.Barrier(2)
+
+    def one() -> None:
+        barrier.wait()
+        results.append(scrape(exp))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    took = time.monotonic() - t0
+    assert len(results) == 2
+    assert took < 1.6 * timeout, f"two scrapes took {took:.2f}s: serialised"
+    assert fake.hits == 1
+    for s in results:
+        assert value(s, "vlaunch_engine_up") == 0
+
+
+def test_set_actual_does_not_wait_for_a_slow_vllm(fake):
+    fake.mode, fake.delay_s = "slow", 5.0
+    exp = ex.Exporter(fake.url, plan=PLAN, gpu_reader=None, cache_ttl_s=0, timeout_s=1.0)
+    t = threading.Thread(target=exp.render)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    exp.set_actual(kv_tokens=1)
+    exp.record_restart()
+    assert time.monotonic() - t0 < 0.1
+    t.join(5)
+
+
+def test_loopback_bypasses_the_proxy(fake, monkeypatch):
+    # A proxy cannot reach this machine's loopback: through one, a local vLLM looks down.
+    for var in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    s = scrape(ex.Exporter(fake.url, plan=PLAN, gpu_reader=None))
+    assert value(s, "vlaunch_engine_up") == 1
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.53"):
+        assert ex._proxy_for("http", host) is None, host
+    assert ex._proxy_for("http", "vllm.remote.test").port == 9
+
+
+def test_remote_vllm_goes_through_the_proxy(fake, monkeypatch):
+    # The fake stands in for the proxy: it receives the absolute URL of the remote server.
+    monkeypatch.setenv("http_proxy", fake.url)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    s = scrape(ex.Exporter("http://vllm.remote.test:8000", plan=PLAN, gpu_reader=None))
+    assert value(s, "vlaunch_engine_up") == 1
+    assert fake.paths[0].startswith("http://vllm.remote.test:8000/metrics?")
+
+
+# ---- the start-up phase (issue 13 item 17) ---------------------------------------------------
+
+
+def test_engine_is_starting_until_it_first_answers(fake):
+    port = fake.server.server_port
+    fake.stop()
+    exp = ex.Exporter(f"http://127.0.0.1:{port}", plan=PLAN, gpu_reader=None, cache_ttl_s=0)
+    s = scrape(exp)
+    assert (value(s, "vlaunch_engine_up"), value(s, "vlaunch_engine_starting")) == (0, 1)
+    again = FakeVllm(body=vllm_page([0.5])).start(port)
+    try:
+        s = scrape(exp)
+        assert (value(s, "vlaunch_engine_up"), value(s, "vlaunch_engine_starting")) == (1, 0)
+    finally:
+        again.stop()
+    # Down after it served: down, not starting (the alert fires).
+    s = scrape(exp)
+    assert (value(s, "vlaunch_engine_up"), value(s, "vlaunch_engine_starting")) == (0, 0)
+    # serve restarts vLLM: starting again until the new engine answers.
+    exp.record_restart()
+    s = scrape(exp)
+    assert (value(s, "vlaunch_engine_up"), value(s, "vlaunch_engine_starting")) == (0, 1)
+
+
+def test_starting_ends_at_the_startup_deadline():
+    exp = ex.Exporter("http://127.0.0.1:1", plan=PLAN, gpu_reader=None, cache_ttl_s=0,
+                      timeout_s=0.2, startup_timeout_s=0.3)
+    assert value(scrape(exp), "vlaunch_engine_starting") == 1
+    time.sleep(0.4)
+    s = scrape(exp)
+    assert (value(s, "vlaunch_engine_up"), value(s, "vlaunch_engine_starting")) == (0, 0)
+
+
+def test_startup_window_is_one_attempt_of_the_plan():
+    from launcher.run import serve
+
+    big = {**PLAN, "model": {**PLAN["model"], "weights_bytes": 673_150_611_808}}
+    exp = ex.Exporter("http://127.0.0.1:1", plan=big, gpu_reader=None)
+    want = serve.STARTUP_SECONDS_BASE + 673_150_611_808 / serve.STARTUP_BYTES_PER_SECOND
+    assert exp._startup_window() == pytest.approx(want)  # ~3,510 s for DeepSeek-V3
+    exp.plan = PLAN  # serve swaps the plan on a re-plan: the window follows it
+    assert exp._startup_window() == pytest.approx(
+        serve.STARTUP_SECONDS_BASE + 60_000_000 / serve.STARTUP_BYTES_PER_SECOND)
+    assert ex.Exporter("http://127.0.0.1:1", gpu_reader=None)._startup_window() == \
+        ex.DEFAULT_STARTUP_S
+
+
+# ---- bounded labels and series (issue 13 item 18) --------------------------------------------
+
+
+def _usage_line(engine: str, model: str = MODEL, value_: float = 0.5) -> str:
+    return f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="{model}"}} {value_}\n'
+
+
+def _info_line(engine: str) -> str:
+    return ('vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+            'enable_prefix_caching="True",gpu_memory_utilization="0.9",'
+            f'kv_cache_size_tokens="4096",num_gpu_blocks="256",engine="{engine}"}} 1.0\n')
+
+
+def test_twenty_thousand_engines_are_bounded_and_counted(fake):
+    n = 20_000
+    fake.body = ("# HELP vllm:kv_cache_usage_perc KV-cache usage.\n"
+                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                 + "".join(_usage_line(str(e)) for e in range(n))
+                 + "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                 "# TYPE vllm:cache_config_info gauge\n"
+                 + "".join(_info_line(str(e)) for e in range(n))).encode()
+    exp = ex.Exporter(fake.url, plan=PLAN, gpu_reader=None, cache_ttl_s=0, timeout_s=20)
+    t0 = time.monotonic()
+    text = exp.render()
+    took = time.monotonic() - t0
+    s = {(f.name, s.name, frozenset(s.labels.items())): s.value
+         for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    kept = ex.MAX_SERIES_PER_FAMILY
+    usage = [k for k in s if k[1] == "vlaunch_kv_cache_usage_ratio"]
+    capacity = [k for k in s if k[1] == "vlaunch_kv_cache_capacity_tokens"
+                and ("source", "actual") in k[2]]
+    assert len(usage) == kept and len(capacity) == kept
+    dropped = {dict(k[2])["reason"]: v for k, v in s.items()
+               if k[1] == "vlaunch_exporter_dropped_series_total"}
+    assert dropped == {"too_many_series": 2 * (n - kept), "label_too_long": 0}
+    assert value(scrape(exp), "vlaunch_engine_up") == 1
+    assert took < 5.0, f"one scrape of 20,000 engines took {took:.1f}s"
+    assert len(text) < 2_000_000
+
+
+def test_a_30mb_label_is_skipped_in_bounded_memory_and_counted(fake):
+    huge = "x" * (30 * 1024 * 1024)
+    long_engine = "e" * (ex.MAX_LABEL_CHARS + 1)
+    fake.body = (vllm_page([0.25, 0.5]) + _usage_line("2", model=huge)
+                 + _usage_line(long_engine)).encode()
+    exp = ex.Exporter(fake.url, plan=PLAN, gpu_reader=None, cache_ttl_s=0, timeout_s=20)
+    tracemalloc.start()
+    try:
+        t0 = time.monotonic()
+        s = scrape(exp)
+        took = time.monotonic() - t0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert value(s, "vlaunch_engine_up") == 1
+    assert value(s, "vlaunch_kv_cache_usage_ratio", engine="1") == 0.5
+    assert not any(dict(lab).get("engine") in ("2", long_engine) for _, lab in s)
+    assert value(s, "vlaunch_exporter_dropped_series_total", reason="label_too_long") == 2
+    assert value(s, "vlaunch_exporter_dropped_series_total", reason="too_many_series") == 0
+    # The 30 MB never sits in memory at once, nor goes through the text parser.
+    assert peak < 8 * 1024 * 1024, f"peak {peak / 2**20:.1f} MiB while reading a 30 MB label"
+    assert took < 5.0, f"{took:.1f}s"
+    # Counted per fetch: a second scrape drops (and counts) it again.
+    s = scrape(exp)
+    assert value(s, "vlaunch_exporter_dropped_series_total", reason="label_too_long") == 4
+
+
+def test_page_filter_across_chunk_boundaries():
+    # The same page fed in every chunk size keeps the same lines and the same drops.
+    page = (vllm_page([0.25, 0.5]) + _usage_line("9", model="y" * 20_000)
+            + _usage_line("3")).encode()
+    expected = None
+    for size in (1, 7, 64, 4096, len(page)):
+        f = ex.VllmPage()
+        for i in range(0, len(page), size):
+            f.feed(page[i:i + size])
+        f.close()
+        got = (f.lines, f.dropped)
+        expected = expected or got
+        assert got == expected, size
+    assert expected[1]["label_too_long"] == 1
+    assert any('engine="3"' in line for line in expected[0])

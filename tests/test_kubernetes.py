@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import importlib.util
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -26,7 +28,10 @@ ALERTS = REPO / "deploy" / "prometheus" / "alerts.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "vlaunch-dashboard.json"
 CRDS = REPO.parent / "shared" / "reference" / "crds"
 K8S_VERSION = "1.34.0"  # a recent release kubernetes-validate ships schemas for
-OVERLAYS = ["deepseek-v3-8xh200", "deepseek-r1-2x8xh100", "cpu-demo"]
+OVERLAYS = ["deepseek-v3-8xh200", "deepseek-r1-2x8xh100", "deepseek-r1-2x8xh200-deepep",
+            "cpu-demo"]
+# Capabilities an overlay may add back, and why: DeepEP's NVSHMEM pins its buffers.
+ALLOWED_CAPABILITIES = {"deepseek-r1-2x8xh200-deepep": {"IPC_LOCK"}}
 CRD_FILES = {
     (
         "leaderworkerset.x-k8s.io",
@@ -36,6 +41,16 @@ CRD_FILES = {
     ("monitoring.coreos.com", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
 }
 GPU = "nvidia.com/gpu"
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+TINI = ["tini", "--"]
+
+
+def _generator():
+    """deploy/kubernetes/generate.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("k8s_generate", K8S / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _kustomize(path: Path) -> list[dict]:
@@ -78,6 +93,22 @@ def _container(spec: dict, name: str, init: bool = False) -> dict:
 def _gpus(container: dict) -> str | None:
     res = container.get("resources", {})
     return res.get("limits", {}).get(GPU) or res.get("requests", {}).get(GPU)
+
+
+def _argv(container: dict) -> list[str]:
+    """What the container runs, after tini: tini must be PID 1 (see test_tini_is_pid_1)."""
+    argv = container.get("command", []) + container.get("args", [])
+    assert argv[:2] == TINI, f"{container['name']}: {argv[:3]} does not start with tini"
+    return argv[2:]
+
+
+def _all_containers(spec: dict) -> list[dict]:
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def _model(objs: list[dict]) -> str:
+    (model,) = [cm["data"]["MODEL"] for cm in _of_kind(objs, "ConfigMap") if "MODEL" in cm["data"]]
+    return model
 
 
 # ---- generation from the monitoring sources -------------------------------------------------
@@ -179,7 +210,7 @@ def test_custom_resources_validate_against_published_crds(overlay):
         assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
         kinds.add(obj["kind"])
     expected = {"PodMonitor", "PrometheusRule"}
-    if name == "deepseek-r1-2x8xh100":
+    if name.startswith("deepseek-r1-"):
         expected.add("LeaderWorkerSet")
     assert kinds == expected
 
@@ -214,18 +245,19 @@ def test_planner_gets_the_same_gpus_as_the_server(overlay):
 def test_init_container_plans_into_the_volume_the_server_reads(overlay):
     name, objs = overlay
     configmaps = {o["metadata"]["name"]: o for o in _of_kind(objs, "ConfigMap")}
-    want_gpus = {"deepseek-r1-2x8xh100": "2x8xH100", "cpu-demo": "cpu"}.get(name)
+    want_gpus = {"deepseek-r1-2x8xh100": "2x8xH100", "deepseek-r1-2x8xh200-deepep": "2x8xH200",
+                 "cpu-demo": "cpu"}.get(name)
     for where, template in _pod_templates(objs):
         spec = template["spec"]
         plan, server = _container(spec, "plan", init=True), _container(spec, "vllm")
-        argv = plan["command"] + plan["args"]
+        argv = _argv(plan)
         assert argv[:3] == ["vlaunch", "plan", "$(MODEL)"], where
         assert argv[argv.index("--emit") + 1] == "/plan"
         if want_gpus:
             assert argv[argv.index("--gpus") + 1] == want_gpus
         else:
             assert "--gpus" not in argv  # NVML in the init container sees the real GPUs
-        run = server["command"] + server["args"]
+        run = _argv(server)
         assert run[:4] == ["vlaunch", "exec", "--plan", "/plan/plan.json"], where
         if "LeaderWorkerSet" in {o["kind"] for o in objs}:
             role = "leader" if where.endswith("leaderTemplate") else "worker"
@@ -257,8 +289,6 @@ def test_serving_containers_have_health_probes_and_ports(overlay):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             get = server[probe]["httpGet"]
             assert get["path"] == "/health" and ports[get["port"]] == 8000, (where, probe)
-        start = server["startupProbe"]
-        assert start["periodSeconds"] * start["failureThreshold"] >= 3600  # DeepSeek's load
     assert serving == 1
 
 
@@ -311,8 +341,8 @@ def test_cpu_demo_generates_the_tiny_model_before_planning_it():
     spec = template["spec"]
     assert [c["name"] for c in spec["initContainers"]] == ["tiny-model", "plan"]
     gen = spec["initContainers"][0]
-    assert gen["command"][-1] == "$(MODEL)"
-    (model,) = [cm["data"]["MODEL"] for cm in _of_kind(objs, "ConfigMap") if "MODEL" in cm["data"]]
+    assert _argv(gen)[-1] == "$(MODEL)"
+    model = _model(objs)
     mounts = [m["mountPath"] for m in gen["volumeMounts"]]
     assert any(model.startswith(m + "/") for m in mounts), "the model must land on the volume"
     assert GPU not in json.dumps(objs)
@@ -331,3 +361,212 @@ def test_server_listens_on_the_ports_the_probes_and_monitors_use(overlay):
             assert int(args[args.index("--port") + 1]) in ports, where
             assert int(args[args.index("--metrics-port") + 1]) in ports, where
             assert args[args.index("--metrics-bind") + 1] == "0.0.0.0", where
+
+
+# ---- timing: start-up budget and drain (issue 13 items 8 and 19) ----------------------------
+
+
+def _timing_target(name: str) -> tuple[str, str]:
+    """The generator's (kind, gpus) for an overlay, or for the overlay it builds on when it
+    changes neither the model nor the workload (then it inherits that overlay's timing)."""
+    gen = _generator()
+    folder = K8S / "overlays" / name
+    while f"{folder.relative_to(K8S)}" not in gen.TIMING_TARGETS:
+        doc = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        parents = [r for r in doc.get("resources", []) if r.startswith("../")]
+        assert len(parents) == 1, f"{name}: no generated timing and no single parent overlay"
+        folder = (folder / parents[0]).resolve()
+    return gen.TIMING_TARGETS[f"{folder.relative_to(K8S)}"]
+
+
+def _max_attempts(args: list[str]) -> int:
+    if "--max-attempts" in args:
+        return int(args[args.index("--max-attempts") + 1])
+    from launcher.cli import exec_cmd
+
+    (opt,) = [p for p in exec_cmd.params if p.name == "max_attempts"]
+    return int(opt.default)
+
+
+def test_startup_probe_covers_every_attempt_of_the_plan(overlay):
+    """The kubelet must not kill a start-up that vlaunch is still entitled to: every attempt
+    (`--max-attempts`), each to serve's deadline for the plan's weights, plus a margin."""
+    from launcher.run import serve
+    from launcher.run.emit import STARTUP_MARGIN_S
+
+    name, objs = overlay
+    _, gpus = _timing_target(name)
+    plan = _generator().plan_for(_model(objs), gpus)
+    deadline = serve.STARTUP_SECONDS_BASE + (
+        plan["model"]["weights_bytes"] / serve.STARTUP_BYTES_PER_SECOND)
+    for where, template in _pod_templates(objs):
+        if where.endswith("workerTemplate"):
+            continue
+        server = _container(template["spec"], "vllm")
+        attempts = _max_attempts(server["args"])
+        probe = server["startupProbe"]
+        allowed = probe["periodSeconds"] * probe["failureThreshold"]
+        needed = attempts * deadline + STARTUP_MARGIN_S
+        assert needed <= allowed < needed + probe["periodSeconds"], (where, allowed, needed)
+        if name.startswith("deepseek"):
+            # The issue's numbers: one DeepSeek attempt ~3,510 s, and there are three.
+            assert attempts == 3 and allowed > 3 * 3500, (where, allowed)
+
+
+def test_timing_is_planned_for_the_gpus_the_pods_plan_for(overlay):
+    name, objs = overlay
+    targets = _generator().TIMING_TARGETS
+    if f"overlays/{name}" not in targets:
+        pytest.skip(f"{name} inherits its timing (same model, same weights)")
+    _, gpus = targets[f"overlays/{name}"]
+    for where, template in _pod_templates(objs):
+        args = _argv(_container(template["spec"], "plan", init=True))
+        if "--gpus" in args:
+            assert args[args.index("--gpus") + 1] == gpus, where
+
+
+def test_every_kustomization_model_can_be_planned():
+    """`vlaunch plan $(MODEL)` in the init container must resolve the model without a network:
+    a profile (by name or HF id), or the tiny model the CPU demo generates in the pod."""
+    from launcher.inputs.model import load_model
+    from launcher.run import tinymodel
+
+    gen = _generator()
+    for folder in gen.TIMING_TARGETS:
+        model = gen.kustomization_model(K8S / folder)
+        if model.startswith("/"):
+            assert Path(model).name == tinymodel.MODEL_NAME, folder
+        else:
+            assert load_model(model).hf_id.lower() == model.lower(), folder
+
+
+def test_grace_period_covers_vlaunch_stop_timeout(overlay):
+    """SIGKILL must not cut vLLM's drain short: the pod's grace period is vlaunch's stop
+    timeout (`--stop-timeout`, default DEFAULT_STOP_TIMEOUT_S) plus a margin for vlaunch."""
+    from launcher.run import runner
+
+    default = getattr(runner, "DEFAULT_STOP_TIMEOUT_S", None)
+    assert default is not None, (
+        "launcher/run/runner.py has no DEFAULT_STOP_TIMEOUT_S yet (issue 13 item 8: "
+        "`--stop-timeout`); the manifests assume 120 s until it lands")
+    gen = _generator()
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        args = _container(template["spec"], "vllm")["args"]
+        stop = float(args[args.index("--stop-timeout") + 1]) if "--stop-timeout" in args \
+            else float(default)
+        grace = template["spec"]["terminationGracePeriodSeconds"]
+        assert grace == math.ceil(stop + gen.STOP_MARGIN_S), (where, grace, stop)
+
+
+def test_capability_cache_lives_on_the_model_volume(overlay):
+    """Lessons (and measured KV memory) must survive a container restart, or the restarted
+    container repeats the plan that just failed: VLAUNCH_CACHE_DIR is on the model claim."""
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        claims = {v["name"] for v in spec.get("volumes", []) if "persistentVolumeClaim" in v}
+        if "LeaderWorkerSet" in {o["kind"] for o in objs}:
+            (lws,) = _of_kind(objs, "LeaderWorkerSet")
+            claims |= {c["metadata"]["name"]
+                       for c in lws["spec"]["leaderWorkerTemplate"]["volumeClaimTemplates"]}
+        for c in (_container(spec, "plan", init=True), _container(spec, "vllm")):
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            cache = env.get("VLAUNCH_CACHE_DIR")
+            assert cache, f"{where}/{c['name']}: no VLAUNCH_CACHE_DIR"
+            mounts = [m for m in c["volumeMounts"]
+                      if cache == m["mountPath"] or cache.startswith(m["mountPath"] + "/")]
+            assert mounts and mounts[0]["name"] in claims, (where, c["name"], cache)
+            assert not mounts[0].get("readOnly"), (where, c["name"])
+
+
+# ---- hardening (issue 13 item 20) -----------------------------------------------------------
+
+
+def _dockerfile_user() -> tuple[int, int]:
+    users = re.findall(r"^USER\s+(\S+)\s*$", DOCKERFILE.read_text(), flags=re.M)
+    assert users, "deploy/Dockerfile sets no USER"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit(), f"USER {users[-1]}: runAsNonRoot can only verify a numeric user"
+    return int(uid), int(gid or uid)
+
+
+def test_dockerfile_runs_unprivileged_under_tini():
+    text = DOCKERFILE.read_text()
+    uid, gid = _dockerfile_user()
+    assert uid != 0 and gid != 0
+    (entry,) = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", text, flags=re.M)
+    assert json.loads(entry)[:3] == ["tini", "--", "vlaunch"]
+    assert re.search(r"apt-get install[^\n]*\btini\b", text), "tini is not installed"
+    # the USER comes after the installs (which need root), and is the last word on it
+    assert text.rindex("USER") > text.rindex("pip install")
+
+
+def test_pods_run_unprivileged(overlay):
+    uid, gid = _dockerfile_user()
+    name, objs = overlay
+    allowed = ALLOWED_CAPABILITIES.get(name, set())
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True, where
+        assert (pod["runAsUser"], pod["runAsGroup"]) == (uid, gid), where
+        assert pod["fsGroup"] == gid, where  # the model volume is writable by that user
+        assert pod["seccompProfile"]["type"] == "RuntimeDefault", where
+        assert not spec.get("hostIPC") and not spec.get("hostPID") and not spec.get("hostNetwork")
+        for c in _all_containers(spec):
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, (where, c["name"])
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], (where, c["name"])
+            assert set(sc.get("capabilities", {}).get("add", [])) <= allowed, (where, c["name"])
+            assert not sc.get("privileged"), (where, c["name"])
+            assert sc.get("runAsUser", uid) != 0, (where, c["name"])
+
+
+def test_tini_is_pid_1(overlay):
+    """Every container of the vlaunch image runs under tini (a command overrides the image's
+    ENTRYPOINT, so the manifests name it too)."""
+    _, objs = overlay
+    for _, template in _pod_templates(objs):
+        for c in _all_containers(template["spec"]):
+            assert c["image"].startswith("vlaunch")
+            _argv(c)
+
+
+def test_every_container_requests_cpu_and_memory(overlay):
+    """No BestEffort pods: a GPU pod without requests is the first the kubelet evicts."""
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        for c in _all_containers(template["spec"]):
+            requests = c.get("resources", {}).get("requests", {})
+            assert requests.get("cpu") and requests.get("memory"), (where, c["name"])
+        server = _container(template["spec"], "vllm")
+        if _gpus(server):
+            req = server["resources"]["requests"]
+            assert int(req["cpu"]) >= 8 and req["memory"].endswith("Gi"), where
+
+
+def test_vllm_log_reaches_kubectl_logs_and_a_writable_file(overlay):
+    """`-v` copies vLLM's log to the container output; --log-dir keeps the files on a volume
+    the unprivileged user can write (the image's WORKDIR is root's)."""
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        server = _container(spec, "vllm")
+        args = server["args"]
+        assert "-v" in args or "--verbose" in args, where
+        log_dir = args[args.index("--log-dir") + 1]
+        mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
+        assert log_dir in mounts and not mounts[log_dir].get("readOnly"), where
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "emptyDir" in volumes[mounts[log_dir]["name"]], where
+
+
+def test_planner_gets_no_hf_token(overlay):
+    """The init container plans from profiles and NVML and never uses the network."""
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        plan = _container(template["spec"], "plan", init=True)
+        names = {e["name"] for e in plan.get("env", [])}
+        assert not names & {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"}, where
+        assert "secretKeyRef" not in json.dumps(plan) and not plan.get("envFrom"), where

@@ -15,10 +15,9 @@ the way vLLM shards it across ranks:
 indexer, vision, mtp) so data-parallel attention can replicate the right pieces; `layer` places
 it in a pipeline stage (None: embedding side for embed/vision, last stage for head).
 
-KV fields (num_kv_heads, head_dim, num_layers) describe full attention. Sliding-window layers
-(Gemma 2/3, gpt-oss) and Gated DeltaNet layers (Qwen3.5) are still counted as full-attention
-layers by the budget, which over-estimates their KV cache; `layer_kinds` tells them apart for
-when ModelSpec can carry it.
+KV fields (num_kv_heads, head_dim, num_layers) describe the attention layers; `layer_kinds`
+says which layers cache a sliding window, a chunk or a recurrent state instead of every token
+(launcher/predict/kvcache.py sizes each kind as vLLM does).
 """
 
 from __future__ import annotations
@@ -531,30 +530,72 @@ def _qwen3_5_layer(c: dict[str, Any], layer: int, full: bool, loaded: bool = Tru
 
 
 def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
-    """Attention kind of each decoder layer: "full", "sliding" or "linear".
+    """Cache kind of each decoder layer: "full", "sliding", "chunked" or "linear".
 
-    Not yet used by the budget (ModelSpec has no per-layer field): vLLM caches sliding-window
-    layers only for the window and linear-attention layers as a fixed-size state, so counting
-    every layer as full attention over-estimates KV memory for Gemma 2/3, gpt-oss and Qwen3.5.
+    Where vLLM reads it: ``layer_types`` when the config has it (llama.py, gemma3.py,
+    gpt_oss.py, qwen3_next.py); Gemma 2 alternates from a sliding first layer; Gemma 3 without
+    layer_types has one full layer every sliding_window_pattern; a Mistral ``sliding_window``
+    with no layer_types windows every layer (Attention takes cache_config.sliding_window);
+    Llama 4 attends chunk-locally on every RoPE layer (llama4.py: not nope and
+    attention_chunk_size); Qwen2's sliding switch; full_attention_interval for linear hybrids.
+    launcher/predict/kvcache.py turns the kinds into cache specs.
     """
     c = _merged(cfg)
     layers = int(c["num_hidden_layers"])
     names = {"full_attention": "full", "sliding_attention": "sliding",
-             "linear_attention": "linear"}
+             "linear_attention": "linear", "chunked_attention": "chunked"}
+    mt = str(c.get("model_type", ""))
     if c.get("layer_types"):
         return tuple(names.get(x, "full") for x in c["layer_types"][:layers])
-    mt = str(c.get("model_type", ""))
     if mt == "gemma2":
         return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
     if mt.startswith("gemma3"):
         every = int(c.get("sliding_window_pattern") or 6)
         return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
+    if mt.startswith("llama4") and c.get("attention_chunk_size"):
+        nope = c.get("no_rope_layers") or [int((i + 1) % 4 != 0) for i in range(layers)]
+        return tuple("chunked" if nope[i] else "full" for i in range(layers))
     if c.get("full_attention_interval"):
         every = int(c["full_attention_interval"])
         return tuple("full" if (i + 1) % every == 0 else "linear" for i in range(layers))
     if c.get("sliding_window") and c.get("use_sliding_window"):  # Qwen2-style switch
         return ("sliding",) * layers
+    if mt in ("mistral", "mixtral") and c.get("sliding_window"):
+        return ("sliding",) * layers
     return ("full",) * layers
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the KV cache needs from a config beyond the attention shapes: each layer's kind,
+    the window / chunk sizes, and the gated delta-net state dims (key heads, key dim, value
+    heads, value dim, conv kernel) with the dtype the checkpoint asks for its SSM state."""
+
+    kinds: tuple[str, ...]
+    window: int = 0
+    chunk: int = 0
+    linear: tuple[int, int, int, int, int] | None = None
+    ssm_dtype: str | None = None  # mamba_ssm_dtype (Qwen3.5); None: the model dtype
+
+
+def cache_layout(cfg: dict[str, Any]) -> CacheLayout:
+    c = _merged(cfg)
+    kinds = layer_kinds(cfg)
+    linear = None
+    if "linear" in kinds:
+        linear = (int(c["linear_num_key_heads"]), int(c["linear_key_head_dim"]),
+                  int(c["linear_num_value_heads"]), int(c["linear_value_head_dim"]),
+                  int(c["linear_conv_kernel_dim"]))
+    return CacheLayout(kinds, int(c.get("sliding_window") or 0),
+                       int(c.get("attention_chunk_size") or 0), linear,
+                       c.get("mamba_ssm_dtype"))
+
+
+def qwen3_next(c: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next: Qwen3.5's layer plan (gated delta-net with a full-attention layer every
+    full_attention_interval, gated attention output, MoE with a gated shared expert) in an
+    earlier config: the attention output gate is always on and there is no vision tower."""
+    return qwen3_5({**c, "attn_output_gate": c.get("attn_output_gate", True)})
 
 
 def qwen3_5(c: dict[str, Any]) -> dict[str, Any]:
@@ -566,8 +607,7 @@ def qwen3_5(c: dict[str, Any]) -> dict[str, Any]:
     for speculative decoding, so it is stored-but-not-loaded.
 
     KV fields describe the full-attention layers; num_layers counts all decoder layers (the
-    pipeline split needs them), so the per-token KV estimate is high by the ratio of all layers
-    to full-attention layers: see layer_kinds.
+    pipeline split needs them); layer_kinds tells the cache which layers hold a state instead.
     """
     text = _merged(c)
     h, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
@@ -620,6 +660,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "gemma3_text": gemma,
     "gpt_oss": gpt_oss,
     "minimax_m2": minimax_m2,
+    "qwen3_next": qwen3_next,
     "qwen3_5": qwen3_5,
     "qwen3_5_text": qwen3_5,
     "qwen3_5_moe": qwen3_5,

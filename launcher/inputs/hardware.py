@@ -230,10 +230,14 @@ def parse_gpus(spec: str) -> Hardware:
     if nodes < 1 or per_node < 1:
         raise InputError(f"malformed --gpus '{spec}': counts must be at least 1")
     kind = sized_kind(name) if _SIZE.match(name.upper()) else gpu_kind(name)
-    if second is None and per_node > kind.max_per_node and not _SIZE.match(name.upper()):
+    if second is None and per_node > kind.max_per_node:
+        # A size-only card (24GiB) has no catalog entry: the usual 8-GPU board is assumed,
+        # and a bigger server is written with an explicit node count (1x16x24GiB).
         nodes_needed = -(-per_node // kind.max_per_node)
         raise InputError(f"--gpus {spec}: one node holds at most {kind.max_per_node} "
                          f"{kind.name}; write nodes x GPUs per node, e.g. "
-                         f"{nodes_needed}x{kind.max_per_node}x{kind.name}")
+                         f"{nodes_needed}x{kind.max_per_node}x{kind.name}"
+                         + (f" (or 1x{per_node}x{kind.name} for one larger server)"
+                            if _SIZE.match(name.upper()) else ""))
     return Hardware(kind=kind, nodes=nodes, gpus_per_node=per_node,
                     total_bytes=kind.total_bytes, free_bytes=kind.total_bytes, source="spec")

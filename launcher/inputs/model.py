@@ -20,6 +20,7 @@ from typing import Any
 from ..errors import InputError
 from ..paths import profiles_dir, read_yaml
 from .arch import ARCHITECTURES, Tensor
+from .config_check import check_config
 
 __all__ = ["ModelSpec", "Quant", "Tensor", "load_model", "list_profiles"]
 
@@ -149,6 +150,7 @@ def spec_from_config(cfg: dict[str, Any], name: str, **meta: Any) -> ModelSpec:
         known = ", ".join(sorted(ARCHITECTURES))
         raise InputError(f"cannot count parameters of architecture '{model_type or '?'}' "
                          f"({name}); supported model_type values: {known}")
+    check_config(cfg, name)
     try:
         shapes = arch(cfg)
     except (KeyError, TypeError, ValueError) as e:
@@ -174,9 +176,16 @@ def _profiles() -> dict[str, Path]:
 
 
 def list_profiles() -> list[ModelSpec]:
-    """Every built-in profile, in file order."""
-    paths = sorted(set(_profiles().values()))
-    return [_load_profile(p) for p in paths]
+    """Every built-in profile, by name with numbers compared as numbers: deepseek-r1 before
+    deepseek-r1-0528 (file order puts '-' before '.yaml'), llama-3.1-8b before 70b before
+    405b."""
+    import re
+
+    def natural(p: Path) -> list[tuple[str, int]]:
+        return [(part, 0) if i % 2 == 0 else ("", int(part))
+                for i, part in enumerate(re.split(r"(\d+)", p.stem.lower()))]
+
+    return [_load_profile(p) for p in sorted(set(_profiles().values()), key=natural)]
 
 
 def _load_profile(path: Path) -> ModelSpec:
@@ -191,11 +200,18 @@ def _load_profile(path: Path) -> ModelSpec:
 
 def _load_dir(path: Path) -> ModelSpec:
     cfg_path = path / "config.json" if path.is_dir() else path
+    what = "give a model directory, a config.json or a profile name (see `vlaunch profiles`)"
+    if cfg_path.exists() and not cfg_path.is_file():
+        raise InputError(f"{cfg_path} is not a regular file; {what}")
     try:
-        cfg = json.loads(cfg_path.read_text())
+        if cfg_path.stat().st_size > _MAX_CONFIG_BYTES:  # a checkpoint or a binary, not JSON
+            raise InputError(f"{cfg_path} is too large to be a config.json; {what}")
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise InputError(f"no config.json at {cfg_path}; give a model directory, a config.json "
-                         "or a profile name (see `vlaunch profiles`)") from None
+        raise InputError(f"no config.json at {cfg_path}; {what}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"cannot read {cfg_path}: not UTF-8 text, so not a config.json; "
+                         f"{what}") from None
     except (OSError, json.JSONDecodeError) as e:
         raise InputError(f"cannot read {cfg_path}: {e}") from None
     if not isinstance(cfg, dict):
@@ -204,24 +220,52 @@ def _load_dir(path: Path) -> ModelSpec:
     index = folder / "model.safetensors.index.json"
     total = None
     if index.is_file():
-        try:
-            total = int(json.loads(index.read_text())["metadata"]["total_size"])
-        except (KeyError, ValueError, json.JSONDecodeError):
-            total = None
+        total = _index_total(index)
     elif (folder / "model.safetensors").is_file():
         total = _safetensors_payload(folder / "model.safetensors")
     return spec_from_config(cfg, name=folder.name, hf_id=str(folder.resolve()),
                             checkpoint_bytes=total, path=str(folder.resolve()))
 
 
+_MAX_CONFIG_BYTES = 16 << 20
+
+
+def _index_total(index: Path) -> int | None:
+    """metadata.total_size of a sharded checkpoint's index; None when the index omits it. An
+    index that is not a JSON object, or a total that is not a positive integer, is a broken
+    checkpoint (vLLM cannot load it either) and would size the weights wrongly."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read {index}: {e}; re-download the checkpoint") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{index} is a JSON {type(data).__name__}, not the object a "
+                         "safetensors index holds; re-download the checkpoint")
+    meta = data.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    if total is None:
+        return None
+    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+        raise InputError(f"{index}: metadata.total_size is {total!r}, not a positive number "
+                         "of bytes; re-download the checkpoint")
+    return total
+
+
 def _safetensors_payload(path: Path) -> int | None:
-    """Tensor bytes of a single-file checkpoint: file size minus its JSON header."""
+    """Tensor bytes of a single-file checkpoint: file size minus its 8-byte length and JSON
+    header. A header length that does not fit in the file is a corrupt (or truncated) file:
+    the difference would be negative weights that "fit" anywhere."""
     try:
         with path.open("rb") as f:
-            header = int.from_bytes(f.read(8), "little")
-        return path.stat().st_size - 8 - header
+            head = f.read(8)
+        size = path.stat().st_size
     except OSError:
         return None
+    header = int.from_bytes(head, "little")
+    if len(head) < 8 or 8 + header > size:
+        raise InputError(f"{path} has a corrupt header ({header:,} header bytes claimed in a "
+                         f"{size:,}-byte file); re-download the checkpoint")
+    return size - 8 - header
 
 
 def load_model(ref: str) -> ModelSpec:

@@ -12,6 +12,11 @@ in vLLM knows what the plan predicted. This module joins the three sources at sc
 Values are computed in `collect()` (a custom Collector), so nothing is ever frozen: when vLLM is
 down, slow or answers garbage, `vlaunch_engine_up` is 0, the engine-derived series disappear
 instead of repeating their last value, an error is counted, and the exporter keeps serving.
+Until vLLM first answers after a (re)start, within one start-up attempt's deadline,
+`vlaunch_engine_starting` is 1: a long model load is not an outage (the EngineDown alert
+ignores it). Each fetch of vLLM's page is bounded as a whole (name resolution to last byte) by
+`timeout_s`, concurrent scrapes share one fetch, and what is taken from the page is bounded
+(line length, series per family, label length), with what was left out counted.
 
 Usable in-process (`vlaunch serve` builds an `Exporter`, calls `start()` and, once the engine
 is up, `set_actual(...)` with the numbers vLLM logged) and standalone (`vlaunch exporter`).
@@ -19,15 +24,18 @@ is up, `set_actual(...)` with the numbers vLLM logged) and standalone (`vlaunch 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import functools
 import http.client
 import importlib
+import ipaddress
 import math
 import re
 import signal
+import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -47,9 +55,26 @@ DEFAULT_TIMEOUT_S = 2.0
 # Short enough that a dashboard never sees a value older than one Prometheus scrape interval,
 # long enough that several Prometheus replicas scraping together hit vLLM once.
 DEFAULT_CACHE_TTL_S = 1.0
+# How long an engine that has not answered yet counts as starting when there is no plan to
+# derive it from (the runner's default start-up deadline).
+DEFAULT_STARTUP_S = 900.0
 # vLLM's /metrics with many engines and histograms is a few hundred KB; anything far larger is
 # not a vLLM metrics page and is refused rather than parsed.
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# Bounds on what is taken from vLLM's page (issue 13 item 18): a line of a family we use is a
+# few hundred bytes (cache_config_info, two dozen short labels), an engine label a DP index.
+# Beyond these the series is dropped and counted, so a broken or hostile page cannot make a
+# scrape slow (the text parser needs ~0.1 s per MB) or the exporter's own output unbounded.
+MAX_LINE_BYTES = 8192
+MAX_SERIES_PER_FAMILY = 1024
+MAX_LABEL_CHARS = 128
+DROP_REASONS = ("label_too_long", "too_many_series")
+# Redirects followed within one deadline (vLLM's own /metrics does not redirect; a proxy may).
+MAX_REDIRECTS = 3
+# Fetch threads that may still be blocked (in a resolver that ignores our deadline) before new
+# fetches are refused outright instead of piling up more threads.
+MAX_STUCK_FETCHES = 8
+_READ_CHUNK = 65536
 
 USAGE_FAMILIES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
 CACHE_INFO_FAMILY = "vllm:cache_config_info"
@@ -60,8 +85,12 @@ _NEEDED = (*USAGE_FAMILIES, CACHE_INFO_FAMILY, START_TIME_FAMILY)
 # vLLM's page is mostly histogram buckets we do not use, and parsing all of it took ~60 ms for 8
 # engines. A pattern that starts with a literal newline lets `re` skip between lines quickly.
 _NEEDED_LINES = re.compile(
-    r"\n((?:# (?:HELP|TYPE) )?(?:" + "|".join(re.escape(n) for n in _NEEDED) + r")[ {][^\n]*)"
+    rb"\n((?:# (?:HELP|TYPE) )?("
+    + b"|".join(re.escape(n.encode()) for n in _NEEDED)
+    + rb")[ {][^\n]*)"
 )
+_NEEDED_START = re.compile(rb"(?:# (?:HELP|TYPE) )?(?:"
+                           + b"|".join(re.escape(n.encode()) for n in _NEEDED) + rb")[ {]")
 
 
 PLAN_COMPONENTS = {
@@ -105,6 +134,18 @@ class VllmSnapshot:
     start_time: float | None = None
     error: str | None = None
     duration_s: float = 0.0
+    dropped: dict[str, int] = field(default_factory=dict)  # series left out, by reason
+
+
+@dataclass
+class _Flight:
+    """A fetch in progress that concurrent scrapes wait for (set once, by its leader)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    snap: VllmSnapshot | None = None
+
+
+_JOIN_SLACK_S = 2.0
 
 
 @dataclass
@@ -148,43 +189,241 @@ def metrics_url(vllm_url: str) -> str:
 # --- reading vLLM's page ----------------------------------------------------------------------
 
 
-def fetch_text(url: str, timeout_s: float) -> str:
-    """GET `url` with a deadline on the whole exchange, not just each socket read.
+class VllmPage:
+    """The lines of vLLM's page the exporter uses, kept within bounds while the page streams in.
 
-    urllib's timeout bounds every blocking call separately, so a server that trickles bytes would
-    hold a scrape forever; reading in chunks against one deadline bounds the total.
+    Fed chunk by chunk, it never holds more than one chunk, one partial line of at most
+    MAX_LINE_BYTES and the kept lines: a 30 MB label is skipped as it arrives, not buffered.
+    `dropped` counts, by reason, the series of the needed families that were left out.
     """
-    deadline = time.monotonic() + timeout_s
-    req = urllib.request.Request(url, headers={"Accept": "text/plain"})
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES,
+                 max_series: int = MAX_SERIES_PER_FAMILY) -> None:
+        self.max_line = max_line
+        self.max_series = max_series
+        self.lines: list[str] = []
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
+        self._series: dict[bytes, int] = {}
+        self._partial = bytearray()
+        self._skipping = False
+
+    @classmethod
+    def from_text(cls, text: str) -> VllmPage:
+        page, data = cls(), text.encode("utf-8")
+        for i in range(0, len(data), _READ_CHUNK):
+            page.feed(data[i:i + _READ_CHUNK])
+        page.close()
+        return page
+
+    def feed(self, chunk: bytes) -> None:
+        if self._skipping:  # inside an over-long line: discard up to its end
+            nl = chunk.find(b"\n")
+            if nl < 0:
+                return
+            self._skipping = False
+            chunk = chunk[nl + 1:]
+        nl = chunk.rfind(b"\n")
+        if nl < 0:
+            self._partial += chunk
+        else:
+            region = bytes(self._partial) + chunk[:nl]
+            self._partial = bytearray(chunk[nl + 1:])
+            self._scan(region)
+        if len(self._partial) > self.max_line:
+            if _NEEDED_START.match(self._partial) and not self._partial.startswith(b"#"):
+                self.dropped["label_too_long"] += 1
+            self._partial.clear()
+            self._skipping = True
+
+    def close(self) -> None:
+        if self._partial and not self._skipping:
+            self._scan(bytes(self._partial))
+        self._partial.clear()
+
+    def _scan(self, region: bytes) -> None:
+        for m in _NEEDED_LINES.finditer(b"\n" + region):
+            line, name = m.group(1), m.group(2)
+            sample = not line.startswith(b"#")
+            if len(line) > self.max_line:
+                if sample:
+                    self.dropped["label_too_long"] += 1
+                continue
+            if sample:
+                seen = self._series.get(name, 0)
+                if seen >= self.max_series:
+                    self.dropped["too_many_series"] += 1
+                    continue
+                self._series[name] = seen + 1
+            try:
+                self.lines.append(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ScrapeError("malformed", "vLLM /metrics is not UTF-8 text") from None
+
+
+_fetch_slots = threading.BoundedSemaphore(MAX_STUCK_FETCHES)
+_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            chunks: list[bytes] = []
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _proxy_for(scheme: str, host: str) -> urllib.parse.SplitResult | None:
+    """The proxy urllib would use for `host`, except on loopback: a proxy cannot reach this
+    machine's own loopback, so through one a local vLLM would look down (issue 13 item 6)."""
+    if _is_loopback(host):
+        return None
+    proxy = urllib.request.getproxies().get(scheme)
+    if not proxy or urllib.request.proxy_bypass(host):
+        return None
+    return urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+
+
+class _Exchange:
+    """One GET of vLLM's page, run in a worker thread so that the caller's deadline covers all
+    of it: name resolution (which no socket timeout bounds), connect, TLS, headers, body.
+    `abort()` shuts the socket down so a worker blocked in a read ends at once."""
+
+    def __init__(self, url: str, deadline: float, timeout_s: float) -> None:
+        self.url = url
+        self.deadline = deadline
+        self.timeout_s = timeout_s
+        self.page = VllmPage()
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPConnection | None = None
+        self._aborted = False
+
+    def run(self) -> None:
+        try:
+            self._get()
+        except BaseException as e:  # handed to the caller, who classifies it
+            self.error = e
+        finally:
+            self.done.set()
+            if self._conn is not None:
+                self._conn.close()
+            _fetch_slots.release()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            conn = self._conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _check(self) -> float:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 or self._aborted:
+            raise ScrapeError("timeout", f"{self.url} took longer than {self.timeout_s:g}s")
+        return remaining
+
+    def _open(self, url: str) -> http.client.HTTPResponse:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        proxy = _proxy_for(parts.scheme, host)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = {"Accept": "text/plain"}
+        https = parts.scheme == "https"
+        timeout = self._check()
+        if proxy is None:
+            conn_cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+            conn = conn_cls(host, parts.port, timeout=timeout)
+        else:
+            auth = {}
+            if proxy.username:
+                token = f"{urllib.parse.unquote(proxy.username)}:" \
+                        f"{urllib.parse.unquote(proxy.password or '')}"
+                auth["Proxy-Authorization"] = "Basic " + base64.b64encode(token.encode()).decode()
+            proxy_port = proxy.port or (443 if proxy.scheme == "https" else 80)
+            if https:  # CONNECT through the proxy, TLS end to end
+                conn = http.client.HTTPSConnection(proxy.hostname or "", proxy_port,
+                                                   timeout=timeout)
+                conn.set_tunnel(host, parts.port, headers=auth)
+            else:  # a plain proxy takes the absolute URL
+                conn = http.client.HTTPConnection(proxy.hostname or "", proxy_port,
+                                                  timeout=timeout)
+                headers.update(auth)
+                path = url
+        with self._lock:
+            if self._aborted:
+                self._check()
+            self._conn = conn
+        conn.connect()
+        self._check()
+        conn.request("GET", path, headers=headers)
+        return conn.getresponse()
+
+    def _get(self) -> None:
+        url = self.url
+        for _ in range(MAX_REDIRECTS + 1):
+            resp = self._open(url)
+            location = resp.getheader("Location")
+            if resp.status in (301, 302, 303, 307, 308) and location:
+                url = urllib.parse.urljoin(url, location)
+                if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+                    raise ScrapeError("http_status", f"{self.url} redirects to {url}")
+                with self._lock:
+                    conn, self._conn = self._conn, None
+                if conn is not None:
+                    conn.close()
+                continue
+            if resp.status != 200:
+                raise ScrapeError("http_status", f"{url} answered HTTP {resp.status}")
             size = 0
             while True:
-                if time.monotonic() > deadline:
-                    raise ScrapeError("timeout", f"{url} took longer than {timeout_s:g}s")
-                chunk = resp.read1(65536)
+                self._check()
+                chunk = resp.read1(_READ_CHUNK)
                 if not chunk:
                     break
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
                     raise ScrapeError("malformed", f"{url} sent more than {MAX_BODY_BYTES} bytes")
-                chunks.append(chunk)
-    except ScrapeError:
-        raise
-    except urllib.error.HTTPError as e:
-        raise ScrapeError("http_status", f"{url} answered HTTP {e.code}") from None
-    except http.client.HTTPException as e:
-        raise ScrapeError("malformed", f"{url} broke HTTP ({type(e).__name__})") from None
-    except (TimeoutError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, TimeoutError) or "timed out" in str(reason):
-            raise ScrapeError("timeout", f"{url} took longer than {timeout_s:g}s") from None
-        raise ScrapeError("unreachable", f"{url}: {reason}") from None
+                self.page.feed(chunk)
+            self.page.close()
+            return
+        raise ScrapeError("http_status", f"{self.url} redirected more than {MAX_REDIRECTS} times")
+
+
+def fetch_page(url: str, timeout_s: float) -> VllmPage:
+    """GET `url` and keep the lines the exporter uses, all within `timeout_s`.
+
+    The deadline covers the whole exchange, not each blocking call: a server that accepts and
+    then says nothing, drips its headers a byte at a time or trickles its body, and a resolver
+    that hangs, all end the fetch at `timeout_s` with ScrapeError("timeout").
+    """
+    deadline = time.monotonic() + timeout_s
+    if not _fetch_slots.acquire(blocking=False):
+        raise ScrapeError("timeout", f"{MAX_STUCK_FETCHES} earlier fetches have not returned yet")
+    exchange = _Exchange(url, deadline, timeout_s)
     try:
-        return b"".join(chunks).decode("utf-8")
-    except UnicodeDecodeError:
-        raise ScrapeError("malformed", f"{url} did not send UTF-8 text") from None
+        threading.Thread(target=exchange.run, name="vlaunch-exporter-fetch", daemon=True).start()
+    except BaseException:
+        _fetch_slots.release()
+        raise
+    if not exchange.done.wait(timeout_s):
+        exchange.abort()
+        raise ScrapeError("timeout", f"{url} took longer than {timeout_s:g}s")
+    e = exchange.error
+    if e is None:
+        return exchange.page
+    if isinstance(e, ScrapeError):
+        raise e
+    if isinstance(e, http.client.HTTPException):
+        raise ScrapeError("malformed", f"{url} broke HTTP ({type(e).__name__})") from None
+    if isinstance(e, TimeoutError) or "timed out" in str(e):
+        raise ScrapeError("timeout", f"{url} took longer than {timeout_s:g}s") from None
+    if isinstance(e, OSError):
+        raise ScrapeError("unreachable", f"{url}: {e.strerror or e}") from None
+    raise ScrapeError("malformed", f"{url}: {type(e).__name__}: {e}") from None
 
 
 def _int_label(value: str | None) -> int | None:
@@ -203,10 +442,11 @@ def _float_label(value: str | None) -> float | None:
     return v if v is not None and math.isfinite(v) and v > 0 else None
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)
 def _parse_cache_info(info_text: str) -> dict[str, dict[str, str]]:
     """Labels of `vllm:cache_config_info` by engine. Memoised: the block is set once at engine
-    start and never changes, while its two dozen labels per engine were most of the parse time."""
+    start and never changes, while its two dozen labels per engine were most of the parse time.
+    (At most MAX_SERIES_PER_FAMILY lines of MAX_LINE_BYTES each, so each entry is bounded.)"""
     infos: dict[str, dict[str, str]] = {}
     for family in text_string_to_metric_families(info_text):
         for s in family.samples:
@@ -215,15 +455,18 @@ def _parse_cache_info(info_text: str) -> dict[str, dict[str, str]]:
     return infos
 
 
-def parse_vllm_metrics(text: str) -> VllmSnapshot:
+def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
     """Pick the usage ratio and the actual KV capacity per engine out of vLLM's exposition.
 
     Raises ScrapeError("malformed") if the needed families do not parse, and
     ScrapeError("missing_metrics") if no usage gauge is there (stats logging off, or not vLLM).
+    Series beyond the bounds (MAX_*) are left out and counted in the snapshot's `dropped`.
     """
-    lines = _NEEDED_LINES.findall("\n" + text)
-    info_text = "\n".join(x for x in lines if CACHE_INFO_FAMILY in x) + "\n"
-    other_text = "\n".join(x for x in lines if CACHE_INFO_FAMILY not in x) + "\n"
+    if isinstance(page, str):
+        page = VllmPage.from_text(page)
+    dropped = dict(page.dropped)
+    info_text = "\n".join(x for x in page.lines if CACHE_INFO_FAMILY in x) + "\n"
+    other_text = "\n".join(x for x in page.lines if CACHE_INFO_FAMILY not in x) + "\n"
     usage: dict[str, dict[str, float]] = {n: {} for n in USAGE_FAMILIES}
     start_time: float | None = None
     try:
@@ -238,6 +481,11 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
                     start_time = s.value
     except ValueError as e:
         raise ScrapeError("malformed", f"vLLM /metrics does not parse: {e}") from None
+    # The engine label becomes a label of ours: a long one is dropped, never re-exported.
+    for series in (*usage.values(), infos):
+        for engine in [e for e in series if len(e) > MAX_LABEL_CHARS]:
+            del series[engine]
+            dropped["label_too_long"] += 1
     ratios = next((usage[n] for n in USAGE_FAMILIES if usage[n]), None)
     if ratios is None:
         raise ScrapeError(
@@ -249,6 +497,9 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
     # kv_cache_size_tokens is per engine; split the sum when it is the only number there is.
     n_info = max(len(infos), 1)
     for engine, labels in infos.items():
+        if engine not in engines and len(engines) >= MAX_SERIES_PER_FAMILY:
+            dropped["too_many_series"] += 1
+            continue
         sample = engines.setdefault(engine, EngineSample())
         tokens = _int_label(labels.get("kv_cache_size_tokens"))
         if tokens is None:
@@ -259,7 +510,7 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
         sample.capacity_tokens = tokens
         sample.capacity_bytes = _int_label(labels.get("kv_cache_memory_bytes"))
         sample.max_concurrency = _float_label(labels.get("kv_cache_max_concurrency"))
-    return VllmSnapshot(ok=True, engines=engines, start_time=start_time)
+    return VllmSnapshot(ok=True, engines=engines, start_time=start_time, dropped=dropped)
 
 
 # --- reading the GPUs -------------------------------------------------------------------------
@@ -351,7 +602,9 @@ class Exporter:
 
     `plan`: a plan dict (may be None: then only engine and GPU series). `vllm_url`: the vLLM API
     server (None: no engine series). `gpu_reader`: callable returning device records, None for no
-    GPU series, or the string "auto" for `default_gpu_reader()`.
+    GPU series, or the string "auto" for `default_gpu_reader()`. `startup_timeout_s`: how long an
+    engine that has not answered since the exporter started (or since `record_restart()`) counts
+    as starting; None derives it from the plan as `serve` does (one attempt's deadline).
     """
 
     def __init__(
@@ -361,6 +614,7 @@ class Exporter:
         gpu_reader: GpuReader | str | None = "auto",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cache_ttl_s: float = DEFAULT_CACHE_TTL_S,
+        startup_timeout_s: float | None = None,
     ):
         self.metrics_url = metrics_url(vllm_url) if vllm_url else None
         # prometheus_client servers honour `name[]` and then render only these families; vLLM
@@ -371,15 +625,21 @@ class Exporter:
         self.gpu_reader = default_gpu_reader() if gpu_reader == "auto" else gpu_reader
         self.timeout_s = timeout_s
         self.cache_ttl_s = cache_ttl_s
+        self.startup_timeout_s = startup_timeout_s
         self.actual = ActualNumbers()
         self._lock = threading.Lock()
-        self._fetch_lock = threading.Lock()
+        self._flight: _Flight | None = None
         self._snapshot: VllmSnapshot | None = None
         self._snapshot_at = -math.inf
         self._last_start_time: float | None = None
         self._restarts = 0
         self._errors = {("vllm", r): 0 for r in VLLM_ERROR_REASONS}
         self._errors.update({("gpu", r): 0 for r in GPU_ERROR_REASONS})
+        self._dropped = dict.fromkeys(DROP_REASONS, 0)
+        # Start-up: from now (or the last restart) until vLLM first answers, within a deadline.
+        self._starting_since = time.monotonic()
+        self._seen_up = False
+        self._window: tuple[int, float] | None = None  # (id of the plan, its start-up deadline)
         self._gpu_duration: float | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -398,9 +658,12 @@ class Exporter:
                 setattr(self.actual, key, int(value) if value is not None else None)
 
     def record_restart(self) -> None:
-        """Count an engine restart that the caller (the runner) performed."""
+        """Count an engine restart that the caller (the runner) performed; the new engine is
+        starting until it answers (or its start-up deadline passes)."""
         with self._lock:
             self._restarts += 1
+            self._starting_since = time.monotonic()
+            self._seen_up = False
             # the new process's start time is this restart, not another one; and what the
             # previous engine allocated no longer describes anything
             self._last_start_time = None
@@ -433,30 +696,83 @@ class Exporter:
 
     def _vllm_snapshot(self) -> VllmSnapshot | None:
         """The cached snapshot, refreshed at most every cache_ttl_s (failures cached too, so a
-        dead engine costs one timeout per TTL, not one per concurrent scrape)."""
+        dead engine costs one timeout per TTL, not one per concurrent scrape).
+
+        Scrapes that arrive while a fetch is in flight wait for that fetch instead of queueing
+        behind a lock for fetches of their own: with a slow vLLM, N concurrent scrapes take one
+        timeout, not N. No lock is held while fetching, so set_actual()/record_restart() and
+        the HTTP server never wait behind vLLM.
+        """
         if self._fetch_url is None:
             return None
-        # One fetch at a time (concurrent scrapes share it); counters have their own lock so
-        # set_actual()/record_restart() never wait behind a slow vLLM.
-        with self._fetch_lock:
-            now = time.monotonic()
-            if self._snapshot is not None and now - self._snapshot_at < self.cache_ttl_s:
+        with self._lock:
+            if self._snapshot is not None and \
+                    time.monotonic() - self._snapshot_at < self.cache_ttl_s:
                 return self._snapshot
-            t0 = time.perf_counter()
-            try:
-                snap = parse_vllm_metrics(fetch_text(self._fetch_url, self.timeout_s))
-            except ScrapeError as e:
-                snap = VllmSnapshot(ok=False, error=str(e))
-                with self._lock:
-                    self._errors["vllm", e.reason] += 1
-            snap.duration_s = time.perf_counter() - t0
+            flight, leader = self._flight, self._flight is None
+            if flight is None:
+                flight = self._flight = _Flight()
+        if not leader:
+            # The leader's fetch ends by its deadline; the slack covers parsing a large page.
+            if flight.done.wait(self.timeout_s + _JOIN_SLACK_S) and flight.snap is not None:
+                return flight.snap
+            with self._lock:
+                self._errors["vllm", "timeout"] += 1
+            return VllmSnapshot(ok=False, error="timeout: the fetch in flight did not finish")
+        try:
+            snap = self._fetch()
+        finally:
+            with self._lock:
+                self._flight = None
+        flight.snap = snap
+        flight.done.set()
+        return snap
+
+    def _fetch(self) -> VllmSnapshot:
+        """One fetch and parse of vLLM's page; counters, restarts and the cache updated."""
+        assert self._fetch_url is not None
+        t0 = time.perf_counter()
+        reason = None
+        try:
+            snap = parse_vllm_metrics(fetch_page(self._fetch_url, self.timeout_s))
+        except ScrapeError as e:
+            snap, reason = VllmSnapshot(ok=False, error=str(e)), e.reason
+        snap.duration_s = time.perf_counter() - t0
+        with self._lock:
+            if reason is not None:
+                self._errors["vllm", reason] += 1
+            for why, n in snap.dropped.items():
+                self._dropped[why] += n
+            if snap.ok:
+                self._seen_up = True
             if snap.start_time is not None:
                 if self._last_start_time is not None and snap.start_time != self._last_start_time:
-                    with self._lock:
-                        self._restarts += 1
+                    self._restarts += 1
                 self._last_start_time = snap.start_time
             self._snapshot, self._snapshot_at = snap, time.monotonic()
-            return snap
+        return snap
+
+    def _startup_window(self) -> float:
+        """Seconds a not-yet-answering engine counts as starting: the caller's, else one start-up
+        attempt's deadline for the plan (as `serve` computes it), else DEFAULT_STARTUP_S."""
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        plan = self.plan
+        if self._window is None or self._window[0] != id(plan):
+            window = DEFAULT_STARTUP_S
+            if _num(self._plan("model", "weights_bytes")) is not None:
+                from ..run.emit import startup_deadline_s
+
+                window = startup_deadline_s(plan)
+            self._window = (id(plan), window)
+        return self._window[1]
+
+    def _starting(self, snap: VllmSnapshot) -> bool:
+        with self._lock:
+            seen_up, since = self._seen_up, self._starting_since
+        if snap.ok or seen_up:
+            return False
+        return time.monotonic() - since < self._startup_window()
 
     def _gpus(self) -> list[GpuRecord]:
         if self.gpu_reader is None:
@@ -500,23 +816,31 @@ class Exporter:
     def collect(self) -> Iterator[Metric]:
         snap = self._vllm_snapshot()
         gpus = self._gpus()
+        starting = self._starting(snap) if snap is not None else False
         with self._lock:
             actual = ActualNumbers(**vars(self.actual))
             restarts = self._restarts
             errors = dict(self._errors)
-        yield from self._engine_families(snap, actual, restarts)
+            dropped = dict(self._dropped)
+        yield from self._engine_families(snap, actual, restarts, starting)
         yield from self._plan_families(snap, actual)
         yield from self._gpu_families(gpus)
-        yield from self._self_families(snap, errors)
+        yield from self._self_families(snap, errors, dropped)
 
     def _engine_families(
-        self, snap: VllmSnapshot | None, actual: ActualNumbers, restarts: int
+        self, snap: VllmSnapshot | None, actual: ActualNumbers, restarts: int, starting: bool
     ) -> Iterator[Metric]:
         if snap is not None:
             yield GaugeMetricFamily(
                 "vlaunch_engine_up",
                 "1 if vLLM's /metrics answered with the KV usage gauge on the last scrape, else 0.",
                 value=1.0 if snap.ok else 0.0,
+            )
+            yield GaugeMetricFamily(
+                "vlaunch_engine_starting",
+                "1 while vLLM has not answered since it was (re)started and is within its "
+                "start-up deadline (loading weights, compiling): engine_up 0 is expected then.",
+                value=1.0 if starting else 0.0,
             )
         yield CounterMetricFamily(
             "vlaunch_engine_restarts",
@@ -637,8 +961,19 @@ class Exporter:
         yield fam
 
     def _self_families(
-        self, snap: VllmSnapshot | None, errors: dict[tuple[str, str], int]
+        self, snap: VllmSnapshot | None, errors: dict[tuple[str, str], int],
+        dropped: dict[str, int],
     ) -> Iterator[Metric]:
+        if self.metrics_url is not None:
+            drops = CounterMetricFamily(
+                "vlaunch_exporter_dropped_series",
+                "Series of vLLM's /metrics left out: a label longer than the exporter takes, or "
+                "more series in a family than it takes (reason).",
+                labels=["reason"],
+            )
+            for reason, n in sorted(dropped.items()):
+                drops.add_metric([reason], n)
+            yield drops
         errs = CounterMetricFamily(
             "vlaunch_scrape_errors",
             "Failed reads of vLLM's /metrics or of the GPUs, by target and reason.",

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..inputs.arch import Tensor
+from ..inputs.arch import Tensor, cache_layout
 from ..inputs.model import DTYPE_BYTES, ModelSpec, Quant
+from . import kvcache as K
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -255,6 +256,70 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, layout: Layout) -> int:
     """What one token costs on the limiting GPU: the pipeline stage with the most layers."""
     layers = max(len(r) for r in pp_stages(spec.num_layers, layout.pp))
     return kv_spec(spec, kv_dtype, layout.tp).bytes_per_layer * layers
+
+
+def state_bytes(linear: tuple[int, int, int, int, int], tp: int, conv_bytes: int,
+                ssm_bytes: int, speculative: int = 0) -> int:
+    """One gated delta-net layer's state per request on one GPU (MambaStateShapeCalculator.
+    gated_delta_net_state_shape): a conv state of (2 x key heads x key dim + value heads x value
+    dim) / TP channels x (kernel - 1 + speculative tokens) in the model dtype, and a temporal
+    state of value heads / TP x value dim x key dim in the SSM dtype."""
+    kh, kd, vh, vd, kernel = linear
+    conv = (2 * kh * kd + vh * vd) // tp * (kernel - 1 + speculative) * conv_bytes
+    return conv + vh // tp * vd * kd * ssm_bytes
+
+
+def layer_caches(spec: ModelSpec, kv_dtype: str, tp: int, *, hybrid: bool = True,
+                 mla_align: int = 0, ssm_bytes: int | None = None,
+                 chunked_hybrid: bool = False) -> list[K.LayerCache]:
+    """One cache spec per decoder layer, on one GPU of a TP group.
+
+    hybrid: whether this vLLM has the hybrid KV cache manager; without it (or for Llama 4's
+    chunked layers, which vLLM 0.32 keeps off the hybrid manager unless
+    VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1: config/vllm.py), windowed layers next
+    to full ones are cached as full attention (unify_hybrid_kv_cache_specs).
+    mla_align: V0 padded MLA's latent to this many values. ssm_bytes: the SSM state dtype when
+    the platform overrides the config's (the CPU engine resets it to float32 on AVX512-BF16).
+    """
+    per = kv_spec(spec, kv_dtype, tp)
+    per_token = per.bytes_per_layer
+    if mla_align and spec.attention == "mla":
+        latent = spec.kv_lora_rank + spec.qk_rope_head_dim
+        per_token = math.ceil(latent / mla_align) * mla_align * kv_dtype_bytes(
+            kv_dtype, spec.dtype_bytes)
+    if spec.attention == "mla":
+        return [K.MLA(per_token)] * spec.num_layers
+    if spec.attention == "mla_sparse":
+        return [K.SparseMLA(per_token)] * spec.num_layers
+    lay = cache_layout(spec.config)
+    kinds = list(lay.kinds[:spec.num_layers]) + ["full"] * (spec.num_layers - len(lay.kinds))
+    full = K.FullAttention(per_token)
+    mixed = "full" in kinds and any(k in ("sliding", "chunked") for k in kinds)
+    out: list[K.LayerCache] = []
+    for kind in kinds:
+        if kind == "sliding" and lay.window and (hybrid or not mixed):
+            out.append(K.SlidingWindow(per_token, lay.window))
+        elif kind == "chunked" and lay.chunk and ((hybrid and chunked_hybrid) or not mixed):
+            out.append(K.ChunkedLocal(per_token, lay.chunk))
+        elif kind == "linear" and lay.linear:
+            ssm = ssm_bytes or DTYPE_BYTES.get(lay.ssm_dtype or spec.dtype, spec.dtype_bytes)
+            out.append(K.State(state_bytes(lay.linear, tp, spec.dtype_bytes, ssm)))
+        else:
+            out.append(full)
+    return out
+
+
+def kv_pool(spec: ModelSpec, kv_dtype: str, tp: int, block: int, **kw: object
+            ) -> tuple[K.Pool, list[K.LayerCache]]:
+    """The layers' specs and vLLM's grouping of them (memoised: a plan asks per layout)."""
+    key = (kv_dtype, tp, block, tuple(sorted(kw.items())))
+    return memo("kv_pool", spec, key, lambda: _kv_pool(spec, kv_dtype, tp, block, kw))
+
+
+def _kv_pool(spec: ModelSpec, kv_dtype: str, tp: int, block: int, kw: dict
+             ) -> tuple[K.Pool, list[K.LayerCache]]:
+    layers = layer_caches(spec, kv_dtype, tp, **kw)
+    return K.build_pool(layers, block), layers
 
 
 def kv_blocks(available: int, page: int) -> int:

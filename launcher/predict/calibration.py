@@ -10,13 +10,12 @@ shapes are recomputed). Stored beside the capability lessons, written atomically
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir, read_json_object
-from ..run.emit import atomic_write
+from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
 
 
 def _store() -> Path:
@@ -49,25 +48,32 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path
     from . import perf
     from .perfplan import shape_from_plan
 
-    data = _load()
     k = plan_key(d)
-    entry = data.get(k) or {"points": []}
     engine = {"max_num_seqs": d.get("max_num_seqs"),
               "max_num_batched_tokens": d.get("max_num_batched_tokens")}
-    # Points of one layout from engines with other batch limits stay apart: the limits are
-    # part of each point, and the fit replays every point on its own engine's limits.
-    entry["points"] = _merge(entry["points"], [engine | p for p in points])
-    entry.update(family=family(d["model"]["name"], d["gpus"]["name"], d["vllm_version"]),
-                 source=source, recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     shape = shape_from_plan(d)
-    cal = perf.calibrate(shape, entry["points"]) if shape else None
-    if cal:
-        entry.update(fixed_scale=cal.fixed_scale, roofline_scale=cal.roofline_scale,
-                     prefill_scale=cal.prefill_scale, request_scale=cal.request_scale,
-                     median_error=cal.median_error)
-    data[k] = entry
-    _store().parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(_store(), json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def add(data: dict[str, Any]) -> None:
+        # Merged with what is on disk now, under the cache's lock: another tune's points for
+        # this engine, recorded meanwhile, are kept. A corrupt old entry starts afresh.
+        entry = data.get(k)
+        if not (isinstance(entry, dict) and isinstance(entry.get("points"), list)
+                and all(isinstance(p, dict) for p in entry["points"])):
+            entry = {"points": []}
+        # Points of one layout from engines with other batch limits stay apart: the limits are
+        # part of each point, and the fit replays every point on its own engine's limits.
+        entry["points"] = _merge(entry["points"], [engine | p for p in points])
+        entry.update(family=family(d["model"]["name"], d["gpus"]["name"], d["vllm_version"]),
+                     source=source,
+                     recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        cal = perf.calibrate(shape, entry["points"]) if shape else None
+        if cal:
+            entry.update(fixed_scale=cal.fixed_scale, roofline_scale=cal.roofline_scale,
+                         prefill_scale=cal.prefill_scale, request_scale=cal.request_scale,
+                         median_error=cal.median_error)
+        data[k] = entry
+
+    return update_json_object(_store(), add)
 
 
 def _merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -81,16 +87,35 @@ def _merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[st
     return sorted(merged.values(), key=lambda p: (p.get("concurrency") or 0))
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _usable(k: str, entry: Any) -> bool:
+    """A fitted record whose fields have the types `record` writes. Anything else is reported
+    and skipped: the planner would scale every step time by it."""
+    if not (isinstance(entry, dict) and entry.get("fixed_scale") is not None):
+        return False  # points recorded without a fit yet: nothing to use, nothing wrong
+    ok = (all(_number(entry.get(f)) and entry[f] > 0 for f in ("fixed_scale", "roofline_scale"))
+          and all(_number(entry.get(f, 1.0)) and entry.get(f, 1.0) >= 0
+                  for f in ("prefill_scale", "request_scale", "median_error"))
+          and isinstance(entry.get("points", []), list)
+          and all(isinstance(entry.get(f, ""), str) for f in ("family", "recorded_at")))
+    if not ok:
+        report_corrupt(_store(), f"entry {k!r} has a missing or non-numeric scale")
+    return ok
+
+
 def lookup(k: str) -> dict[str, Any] | None:
     """The record of exactly this engine, if any."""
     entry = _load().get(k)
-    return entry if isinstance(entry, dict) and entry.get("fixed_scale") else None
+    return entry if _usable(k, entry) else None
 
 
 def lookup_family(fam: str) -> tuple[str, dict[str, Any]] | None:
     """Some record of the same model, GPU and vLLM release (the most recent), if any."""
     hits = [(k, v) for k, v in _load().items()
-            if isinstance(v, dict) and v.get("family") == fam and v.get("fixed_scale")]
+            if isinstance(v, dict) and v.get("family") == fam and _usable(k, v)]
     if not hits:
         return None
     return max(hits, key=lambda kv: kv[1].get("recorded_at", ""))

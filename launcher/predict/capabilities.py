@@ -9,7 +9,6 @@ hardware, attention type and vLLM version overrides the table.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -17,7 +16,14 @@ from typing import Any
 
 from ..errors import InputError
 from ..inputs.hardware import GiB, Hardware
-from ..paths import cache_dir, profiles_dir, read_json_object, read_yaml
+from ..paths import (
+    cache_dir,
+    profiles_dir,
+    read_json_object,
+    read_yaml,
+    report_corrupt,
+    update_json_object,
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,16 +75,39 @@ class VersionTraits:
     engine: str
     mla_cache_align: int = 0
     block_fp8_gemm_scale: float = 1.0  # speed of block-FP8 GEMMs relative to later releases
+    features: frozenset[str] = frozenset()  # names from profiles' vllm_features this has
+    newer_than_modelled: bool = False  # planned as the newest modelled release
+
+    def has(self, feature: str) -> bool:
+        """Whether this vLLM release has a feature of the version-gate table."""
+        if feature not in table()["vllm_features"]:
+            raise KeyError(f"no version gate named {feature!r} in profiles/capabilities.yaml")
+        return feature in self.features
+
+
+def feature_since(feature: str) -> str:
+    """The first vLLM release with a feature (profiles/capabilities.yaml vllm_features)."""
+    return str(table()["vllm_features"][feature]["since"])
+
+
+def gate_reason(feature: str, version: str) -> str:
+    """Why a plan for `version` does without a feature, in one phrase."""
+    row = table()["vllm_features"][feature]
+    return f"vLLM {version} predates {row['what']} (since {row['since']})"
 
 
 def version_traits(version: str) -> VersionTraits:
     v = parse_version(version)
+    newest = str(table()["newest_modelled_vllm"])
+    newer = v > parse_version(newest)
+    features = frozenset(name for name, row in table()["vllm_features"].items()
+                         if v >= parse_version(str(row["since"])))
     for row in table()["vllm_versions"]:
         if v >= parse_version(row["since"]):
             return VersionTraits(version, float(row["default_gpu_memory_utilization"]),
                                  bool(row["cudagraph_in_kv_budget"]), row["engine"],
                                  int(row.get("mla_cache_align", 0)),
-                                 float(row.get("block_fp8_gemm_scale", 1.0)))
+                                 float(row.get("block_fp8_gemm_scale", 1.0)), features, newer)
     raise InputError(f"no capability row for vLLM {version}")
 
 
@@ -147,15 +176,38 @@ def lesson_key(hw: Hardware, attention: str, vllm_version: str) -> str:
 
 
 def lessons() -> dict[str, dict[str, Any]]:
-    return read_json_object(_lessons_path())
+    """The recorded lessons whose types are exactly what record_lesson writes: a hand-edited
+    `"supported": "false"` would read as true, so a bad entry is reported and skipped."""
+    path = _lessons_path()
+    good = {}
+    for key, row in read_json_object(path).items():
+        if (isinstance(row, dict) and isinstance(row.get("supported"), bool)
+                and isinstance(row.get("reason"), str)):
+            good[key] = row
+        else:
+            report_corrupt(path, f"entry {key!r} is not {{supported: true|false, reason: text}}")
+    return good
 
 
 def record_lesson(key: str, supported: bool, reason: str) -> Path:
-    """Remember what a run taught (atomically), so the next plan does not repeat the mistake."""
-    path = _lessons_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = lessons()
-    data[key] = {"supported": supported, "reason": reason}
-    from ..run.emit import atomic_write
+    """Remember what a run taught (atomically, under a lock: concurrent runs each keep their
+    lesson), so the next plan does not repeat the mistake."""
+    def add(data: dict[str, Any]) -> None:
+        data[key] = {"supported": bool(supported), "reason": str(reason)}
 
-    return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return update_json_object(_lessons_path(), add)
+
+
+@functools.cache
+def cpu_resets_ssm_dtype() -> bool:
+    """Whether vLLM's CPU platform would keep a gated delta-net SSM state in float32 here: it
+    does on CPUs with AVX512-BF16 unless the state is already 16-bit for its accelerated GDN
+    kernel (platforms/cpu.py check_and_update_config). Read from /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False

@@ -65,6 +65,7 @@ class Option:
     usd_per_m: float | None = None
     problem: str = ""
     curve: list[dict[str, Any]] | None = None
+    serving: dict[str, Any] | None = None  # MTP, all-to-all backend, parsers of the replica
 
     @property
     def gpus_total(self) -> int | None:
@@ -78,7 +79,7 @@ class Option:
                 "price_source": self.price_source, "monthly_usd": _r(self.monthly_usd),
                 "usd_per_million_output_tokens": _r(self.usd_per_m, 3),
                 "source": self.source, "problem": self.problem or None,
-                "curve": self.curve}
+                "curve": self.curve, "serving": self.serving}
 
 
 def _r(x: float | None, nd: int = 0) -> float | None:
@@ -155,6 +156,7 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
                     "nodes": L.nodes, "label": c.label()}
     opt.kv_dtype, opt.max_model_len, opt.source = c.kv_dtype, c.max_model_len, best.source
     opt.curve = [p.to_dict() for p in best.curve]
+    opt.serving = _serving_summary(plan, c)
     if best.knee is None:
         opt.problem = (f"the SLO is out of reach: one request alone sees TPOT "
                        f"{best.single.tpot_ms:.1f} ms, TTFT {best.single.ttft_ms:,.0f} ms")
@@ -187,6 +189,20 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
         opt.monthly_usd = hourly * HOURS_PER_MONTH
         opt.usd_per_m = hourly / 3600 / served * 1e6 if served else None
     return opt
+
+
+def _serving_summary(plan: Any, c: Any) -> dict[str, Any] | None:
+    """The replica's serving features: decided for the plan's chosen layout (MTP's memory and
+    speed are in that candidate and its curve); a runner-up layout runs without them."""
+    s = getattr(plan, "serving", None)
+    if s is None:
+        return None
+    if c is not plan.chosen:
+        return {"mtp": 0, "all2all_backend": None, "note": "serving features are decided for "
+                "the planner's chosen layout; this replica's layout runs without MTP"}
+    return {"mtp": s.mtp.k if s.mtp.enabled else 0, "mtp_reason": s.mtp.reason,
+            "all2all_backend": s.ep.backend if s.ep.applies else None,
+            "vllm_args": s.vllm_args()}
 
 
 def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir, read_json_object
+from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
 
 _DECISIONS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs",
               "max_num_batched_tokens", "enforce_eager", "vllm_version")
@@ -44,23 +44,32 @@ def _load() -> dict[str, Any]:
 
 
 def lookup(key: str) -> dict[str, Any] | None:
-    """The recorded measurement for this plan key, if any."""
+    """The recorded measurement for this plan key, if any. A row of the wrong types (a bool or
+    a negative byte count, text where a number belongs) is reported and not used: the plan
+    would size the KV cache from it."""
     row = _load().get(key)
-    return row if isinstance(row, dict) and isinstance(row.get("kv_cache_memory_bytes"),
-                                                       int) else None
+    if row is None:
+        return None
+    kv = row.get("kv_cache_memory_bytes") if isinstance(row, dict) else None
+    if (isinstance(kv, int) and not isinstance(kv, bool) and kv > 0
+            and all(isinstance(row.get(k, ""), str) for k in ("source", "recorded_at"))):
+        return row
+    report_corrupt(_store(), f"entry {key!r} has no positive integer kv_cache_memory_bytes")
+    return None
 
 
 def record(d: dict[str, Any], kv_bytes: int, source: str) -> Path:
-    """Remember vLLM's measured KV bytes for the plan `d` (atomically)."""
-    from ..run.emit import atomic_write
+    """Remember vLLM's measured KV bytes for the plan `d` (atomically, under a lock: concurrent
+    runs each keep their measurement)."""
+    row = {"kv_cache_memory_bytes": int(kv_bytes), "source": source,
+           "predicted_bytes": d["kv_cache"]["memory_bytes"],
+           "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    key = plan_key(d)
 
-    data = _load()
-    data[plan_key(d)] = {"kv_cache_memory_bytes": int(kv_bytes), "source": source,
-                         "predicted_bytes": d["kv_cache"]["memory_bytes"],
-                         "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    path = _store()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    def add(data: dict[str, Any]) -> None:
+        data[key] = row
+
+    return update_json_object(_store(), add)
 
 
 def read_startup_plans(paths: list[str]) -> int | None:
@@ -68,9 +77,9 @@ def read_startup_plans(paths: list[str]) -> int | None:
     values = []
     for p in paths:
         try:
-            value = json.loads(Path(p).read_text()).get("kv_cache_memory_bytes")
-        except (OSError, json.JSONDecodeError, AttributeError):
+            value = json.loads(Path(p).read_text(encoding="utf-8")).get("kv_cache_memory_bytes")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
             continue
-        if isinstance(value, int) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             values.append(value)
     return min(values) if values else None

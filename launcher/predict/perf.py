@@ -122,6 +122,11 @@ class EngineShape:
     chunked_prefill: bool
     constants: Constants = DEFAULT
     gemm_scale: float = 1.0
+    # Speculative decoding (launcher/predict/speculative.py): draft tokens verified per step,
+    # output tokens a step yields on average, and the draft model's own step shape.
+    spec_tokens: int = 0
+    spec_yield: float = 1.0
+    draft: EngineShape | None = None
 
 
 def _active_counts(spec: ModelSpec) -> tuple[float, float]:
@@ -277,15 +282,25 @@ def step_parts(s: EngineShape, tokens: float, ctx_tokens: float, moe_tokens: flo
 
 def decode_step_s(s: EngineShape, batch: float, ctx: float) -> float:
     """Seconds for every one of `batch` running requests (context `ctx`) to gain one token.
-    With PP the batch is split into one micro-batch per stage and a token crosses all stages."""
+    With PP the batch is split into one micro-batch per stage and a token crosses all stages.
+    With speculative decoding a step verifies 1 + spec_tokens tokens per request (the KV is read
+    once, the matmuls and attention see every query), the draft runs its own passes, and the
+    step yields spec_yield tokens on average: the time per token is the step over the yield."""
     k = s.constants
     b = max(batch, 1e-9)
     micro = max(b / s.pp, min(b, 1.0))  # a request is never split across micro-batches
-    moe = micro * (s.dp if s.expert_parallel else 1)
-    fixed, mem, comp = step_parts(s, micro, micro * ctx, moe, micro * ctx * s.attn_decode_flops)
+    q = 1 + s.spec_tokens  # a speculative step verifies q tokens per request
+    moe = micro * q * (s.dp if s.expert_parallel else 1)
+    fixed, mem, comp = step_parts(s, micro * q, micro * ctx, moe,
+                                  micro * q * ctx * s.attn_decode_flops)
     stage = fixed + max(mem, comp)
     hops = (s.pp - 1) * (k.network_us * 1e-6 if s.cross_node_pp else s.link_latency_s)
-    return s.pp * stage + hops + k.step_us * 1e-6
+    step = s.pp * stage + hops + k.step_us * 1e-6
+    if s.draft is not None and s.spec_tokens:
+        from .speculative import draft_seconds
+
+        step += draft_seconds(s, b, ctx)
+    return step / s.spec_yield
 
 
 def prefill_compute_s(s: EngineShape, tokens: float) -> float:

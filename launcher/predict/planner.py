@@ -20,11 +20,13 @@ from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec, Quant
 from ..inputs.workload import SLO, Workload, check_objective, resolve_workload
 from . import budget as B
+from . import kvcache as K
 from .capabilities import (
     VersionTraits,
     attention_support,
     batch_defaults,
     block_size,
+    cpu_resets_ssm_dtype,
     default_vllm_version,
     fp8_kv_support,
     version_traits,
@@ -62,6 +64,14 @@ class Pins:
     vllm_version: str | None = None
     block_size: int | None = None
     pin_kv_memory: bool = False
+    # serving features (launcher/predict/serving.py): None leaves the decision to the planner
+    speculative: bool | None = None
+    num_speculative_tokens: int | None = None
+    mtp_acceptance: float | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+    all2all_backend: str | None = None
 
     def validate(self) -> None:
         for name in ("tp", "pp", "dp", "max_num_seqs", "max_num_batched_tokens"):
@@ -105,11 +115,20 @@ class Candidate:
     fits: bool
     problem: str = ""
     stages: list[dict[str, int]] = field(default_factory=list)  # per PP stage, limiting rank
+    cache: dict[str, Any] = field(default_factory=dict)  # kvcache.Pool facts for the plan
+    pool_layers: tuple = field(default=(), repr=False)  # kvcache specs, one per layer
+    demand: K.Demand = field(default=K.Demand(0, 0), repr=False)
 
     @property
     def concurrency(self) -> float:
-        """Full-length requests the whole deployment holds (DP engines have their own caches)."""
-        return self.layout.dp * self.tokens / self.max_model_len if self.max_model_len else 0.0
+        """Full-length requests the whole deployment holds (DP engines have their own caches):
+        vLLM's "Maximum concurrency" per engine (pool blocks / blocks per request) x DP."""
+        if not self.max_model_len:
+            return 0.0
+        per_engine = self.cache.get("engine_concurrency")
+        if per_engine is None:
+            per_engine = self.tokens / self.max_model_len
+        return self.layout.dp * per_engine
 
     def label(self) -> str:
         L = self.layout
@@ -147,6 +166,7 @@ class Plan:
     workload: Workload | None = None
     slo: SLO | None = None
     why_not: dict[int, str] = field(default_factory=dict)  # id(runner-up) -> the figure it lost on
+    serving: Any = None  # serving.Serving: MTP, parsers, all-to-all backend
 
     @property
     def fits(self) -> bool:
@@ -185,6 +205,8 @@ class Plan:
             args.append("--enable-chunked-prefill")
         if self.enforce_eager and not self.hardware.is_cpu:
             args.append("--enforce-eager")
+        if self.serving is not None:
+            args += self.serving.vllm_args()
         return args
 
     def env(self) -> dict[str, str]:
@@ -199,6 +221,8 @@ class Plan:
                 os.path.join(os.environ["HF_HOME"], "vllm") if os.environ.get("HF_HOME") else "")
             if root:  # keep vLLM's measurements next to the model cache (a PVC in Kubernetes)
                 env["VLLM_CACHE_ROOT"] = root
+        if self.serving is not None:
+            env.update(self.serving.env())
         return env
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,7 +250,11 @@ class Plan:
             "enforce_eager": self.enforce_eager,
             "kv_cache": {"dtype": c.kv_dtype, "bytes_per_token": c.kv_bytes_per_token,
                          "block_size": c.block_size, "memory_bytes": c.kv_memory,
-                         "tokens": c.tokens, "blocks": c.blocks, "pinned": self.kv_pinned},
+                         "tokens": c.tokens, "blocks": c.blocks, "pinned": self.kv_pinned,
+                         "layer_kinds": c.cache.get("kinds", {}),
+                         "groups": c.cache.get("groups", 1),
+                         "blocks_per_request": c.cache.get("blocks_per_request"),
+                         "bytes_per_block": c.cache.get("block_bytes")},
             "per_gpu": {"requested_bytes": c.requested, "weights_bytes": c.weights,
                         "activation_bytes": c.activation, "cudagraph_bytes": c.cudagraph,
                         "non_torch_bytes": c.non_torch, "kv_cache_bytes": c.kv_memory},
@@ -241,6 +269,7 @@ class Plan:
             "alternatives": [self._alternative(a) for a in self.alternatives],
             "performance": self._performance(self.performance),
             "problem": c.problem or None,
+            "serving": self.serving.to_dict() if self.serving is not None else None,
         }
 
     def _performance(self, a: Any) -> dict[str, Any] | None:
@@ -365,6 +394,34 @@ def reported_tokens(blocks: int, block: int, length: int) -> int:
     return int(blocks / math.ceil(length / block) * length)
 
 
+def cache_options(spec: ModelSpec, hw: Hardware, traits: VersionTraits) -> dict[str, Any]:
+    """How this vLLM on this platform builds the layer caches (budget.layer_caches)."""
+    ssm = None
+    lay_dtype = str((spec.config.get("text_config") or spec.config).get("mamba_ssm_dtype") or "")
+    if hw.is_cpu and cpu_resets_ssm_dtype() and lay_dtype not in ("float32",):
+        ssm = 4  # platforms/cpu.py: AVX512-BF16 CPUs keep GDN's SSM state in float32
+    return {"hybrid": traits.has("hybrid_kv_cache"), "mla_align": traits.mla_cache_align,
+            "ssm_bytes": ssm}
+
+
+def concurrent_batches(hw: Hardware, layout: B.Layout, traits: VersionTraits) -> int:
+    """Batches scheduled but not yet settled (VllmConfig.max_concurrent_batches): two with
+    async scheduling, which vLLM turns on by default for one pipeline stage with the mp
+    executor vlaunch uses (config/vllm.py); the pipeline depth otherwise. The CPU platform
+    turns async scheduling off (platforms/cpu.py check_and_update_config): one batch."""
+    if hw.is_cpu:
+        return 1
+    if layout.pp == 1 and traits.has("async_scheduling"):
+        return 2
+    return layout.pp
+
+
+def state_pages(traits: VersionTraits) -> int:
+    """State pages a request holds: prefix caching (on by default) puts Mamba-style layers in
+    "align" mode, two pages (MambaModelConfig, MambaSpec.max_memory_usage_bytes)."""
+    return 2 if traits.has("mamba_prefix_caching") else 1
+
+
 def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, util: float,
              traits: VersionTraits, pins: Pins, chunked: bool) -> Candidate:
     """Run the budget model for one layout; the result says whether and how well it fits."""
@@ -373,13 +430,11 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     d_tokens, d_seqs = batch_defaults(hw, world)
     seqs = pins.max_num_seqs or d_seqs
     stages = B.pp_stages(spec.num_layers, layout.pp)
-    kvs = B.kv_spec(spec, kv_dtype, layout.tp)
-    if traits.mla_cache_align and spec.attention == "mla":
-        latent = spec.kv_lora_rank + spec.qk_rope_head_dim
-        align = traits.mla_cache_align
-        eb = B.kv_dtype_bytes(kv_dtype, spec.dtype_bytes)
-        kvs = B.KVSpec("mla", math.ceil(latent / align) * align * eb)
-    per_token = kvs.bytes_per_layer * max(len(r) for r in stages)
+    pool, layer_specs = B.kv_pool(spec, kv_dtype, layout.tp, block, **cache_options(
+        spec, hw, traits))
+    block = pool.block  # a state layer may have grown it (Platform._align_hybrid_block_size)
+    limiting = max(stages, key=len)
+    per_token = K.context_bytes_per_token([layer_specs[i] for i in limiting])
     scale = B.checkpoint_scale(spec)
     weights = [round(w * scale) for w in B.stage_weight_bytes(spec, layout)]
     full = spec.max_context
@@ -388,19 +443,22 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     tokens_cap = pins.max_num_batched_tokens or min(d_tokens, seqs * target)
     if not chunked:  # vLLM requires a whole max-length prompt per step without chunking
         tokens_cap = max(tokens_cap, target)
+    demand = K.Demand(target, tokens_cap * concurrent_batches(hw, layout, traits),
+                      state_pages(traits))
     profile_tokens = tokens_cap if chunked else max(tokens_cap, target)
     activation = B.activation_bytes(spec, layout, profile_tokens, seqs)
     eager = pins.enforce_eager or hw.is_cpu
     cudagraph = (B.cudagraph_bytes(spec, layout, seqs, tokens_cap, eager)
                  if traits.cudagraph_in_kv_budget else 0)
     non_torch = 0 if hw.is_cpu else B.non_torch_bytes(layout)
+    block_bytes = [pool.bytes_per_block(r if len(stages) > 1 else None) for r in stages]
 
     pinned = pins.kv_cache_memory_bytes
     if hw.is_cpu:
         requested = B.requested_bytes(hw.free_bytes, util)
         budget = requested - max(weights) - B.CPU_NON_KV_MARGIN
-        page = kvs.page_bytes(block, max(len(r) for r in stages))
-        want = math.ceil(seqs * target / block) * page  # never more than the batch can use
+        # never more than the batch can use: every sequence at full length, and the null block
+        want = (seqs * pool.blocks_per_request(demand) + 1) * max(block_bytes)
         avail = [pinned if pinned else min(budget, want)]
         activation = cudagraph = 0
     else:
@@ -409,13 +467,14 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
         avail = [pinned if pinned else requested - w - overhead for w in weights]
     if len(avail) == 1 and len(stages) > 1:
         avail = avail * len(stages)
-    blocks = min(B.kv_blocks(a, kvs.page_bytes(block, len(r)))
-                 for a, r in zip(avail, stages, strict=True))
-    kv_memory = blocks * kvs.page_bytes(block, max(len(r) for r in stages))
-    # vLLM keeps one block back (the null block): one request may use blocks - 1 of them.
-    usable = max(0, blocks - 1) * block
-    length = pins.max_model_len or min(full, usable)
-    tokens = reported_tokens(blocks, block, length)
+    blocks = min(B.kv_blocks(a, bb) for a, bb in zip(avail, block_bytes, strict=True))
+    kv_memory = blocks * max(block_bytes)
+    on_stage = [r if len(stages) > 1 else None for r in stages]
+    longest = min(K.longest_fitting(pool, a, demand, full, r)
+                  for a, r in zip(avail, on_stage, strict=True)) if min(avail) > 0 else 0
+    length = pins.max_model_len or longest
+    cap = K.capacity(pool, blocks, K.Demand(length, demand.in_flight, demand.state_pages))
+    tokens = cap.tokens
     problem = ""
     runs, why = attention_support(hw, spec.attention)
     if not runs:
@@ -425,21 +484,24 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
         problem = (f"weights {max(weights) / GiB:.1f} GiB + overhead "
                    f"{(activation + cudagraph + non_torch) / GiB:.1f} GiB exceed the "
                    f"{requested / GiB:.1f} GiB vLLM may use per GPU by {short / GiB:.1f} GiB")
-    elif usable < length:
-        problem = (f"KV cache holds {usable:,} tokens for one request, less than one "
+    elif longest < length:
+        problem = (f"KV cache holds {longest:,} tokens for one request, less than one "
                    f"{length:,}-token request")
     elif not pins.max_model_len and length < min(MIN_CONTEXT, full):
-        problem = f"only {usable:,} tokens of KV cache: below the {MIN_CONTEXT:,}-token minimum"
+        problem = f"only {longest:,} tokens of KV cache: below the {MIN_CONTEXT:,}-token minimum"
     seqs_final = pins.max_num_seqs or seqs
     if not problem and tokens_cap < seqs_final:
         problem = (f"max-num-batched-tokens {tokens_cap:,} is below max-num-seqs "
                    f"{seqs_final:,}: vLLM refuses that (SchedulerConfig)")
-    stage_info = [{"layers": len(r), "weights_bytes": w,
-                   "kv_cache_bytes": blocks * kvs.page_bytes(block, len(r))}
-                  for r, w in zip(stages, weights, strict=True)]
+    stage_info = [{"layers": len(r), "weights_bytes": w, "kv_cache_bytes": blocks * bb}
+                  for r, w, bb in zip(stages, weights, block_bytes, strict=True)]
+    cache = {"kinds": pool.kinds(), "groups": len(pool.groups),
+             "blocks_per_request": cap.blocks_per_request, "block_bytes": max(block_bytes),
+             "engine_concurrency": cap.concurrency}
     return Candidate(layout, kv_dtype, block, util, requested, max(weights), activation,
                      cudagraph, non_torch, kv_memory, per_token, blocks, tokens, length,
-                     seqs_final, tokens_cap, not problem, problem, stage_info)
+                     seqs_final, tokens_cap, not problem, problem, stage_info, cache,
+                     tuple(layer_specs), demand)
 
 
 def _rank(c: Candidate) -> tuple:
@@ -528,12 +590,15 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                 workload=workload, slo=slo)
     plan.why_not = {id(c): _why_not(c, assessed.get(id(c)), best, assessed.get(id(best)),
                                      objective) for c in cands[1:6]}
-    if not pinned and best.fits:
-        _apply_measured(plan)
     if pins.pin_kv_memory and not hw.is_cpu:
         warnings.append("--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "
                         "memory profiling; only the plan's margins for activations, graphs and "
                         "non-torch memory protect the start-up")
+    from . import serving
+
+    plan.serving = serving.apply(plan, pins, concurrency)
+    if not pinned and plan.chosen.fits:  # keyed by the final flags, serving ones included
+        _apply_measured(plan)
     _explain(plan, cands, pins)
     _explain_speed(plan, cands, pins)
     if suggest and not best.fits:
@@ -672,12 +737,14 @@ def _apply_measured(plan: Plan) -> None:
     if row is None:
         return
     c = plan.chosen
-    page = c.block_size * c.kv_bytes_per_token
+    page = c.cache.get("block_bytes") or c.block_size * c.kv_bytes_per_token
+    per_request = c.cache.get("blocks_per_request") or math.ceil(c.max_model_len / c.block_size)
     predicted = c.kv_memory
     c.blocks = row["kv_cache_memory_bytes"] // page
     c.kv_memory = c.blocks * page
-    c.tokens = reported_tokens(c.blocks, c.block_size, c.max_model_len)
-    if max(0, c.blocks - 1) * c.block_size < c.max_model_len:
+    c.cache["engine_concurrency"] = c.blocks / per_request
+    c.tokens = int(c.blocks / per_request * c.max_model_len)
+    if max(0, c.blocks - 1) < per_request:
         c.fits = False
         c.problem = (f"vLLM measured {c.kv_memory / GiB:.2f} GiB of KV cache at its last start "
                      f"of this plan: fewer than {c.max_model_len:,} tokens")
@@ -726,7 +793,9 @@ def inputs_from_plan(d: dict[str, Any]) -> tuple[ModelSpec, Hardware, Pins]:
 
     from ..inputs.hardware import parse_gpus
     from ..inputs.model import load_model
+    from .plan_check import check_plan
 
+    check_plan(d)  # one line naming a missing or mistyped field, not a KeyError
     spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
     g = d["gpus"]
     hw = parse_gpus("cpu" if g["platform"] == "cpu" else
@@ -740,8 +809,16 @@ def inputs_from_plan(d: dict[str, Any]) -> tuple[ModelSpec, Hardware, Pins]:
                 gpu_memory_utilization=None if kv.get("pinned") else d["gpu_memory_utilization"],
                 kv_cache_memory_bytes=kv["memory_bytes"] if kv.get("pinned") else None,
                 max_num_seqs=d["max_num_seqs"], max_num_batched_tokens=d["max_num_batched_tokens"],
-                enforce_eager=bool(d.get("enforce_eager")), vllm_version=d.get("vllm_version"))
+                enforce_eager=bool(d.get("enforce_eager")), vllm_version=d.get("vllm_version"),
+                **serving_pins(d))
     return spec, hw, pins
+
+
+def serving_pins(d: dict[str, Any]) -> dict[str, Any]:
+    """The serving decisions (MTP, parsers, all-to-all backend) of an emitted plan as pins."""
+    from .serving import pins_from_plan
+
+    return pins_from_plan(d)
 
 
 # ----------------------------------------------------------------------------- suggestions

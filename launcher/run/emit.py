@@ -20,7 +20,9 @@ import os
 import re
 import shlex
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ..errors import InputError
 
@@ -35,6 +37,10 @@ TERMINATION_MAX_BYTES = 4096
 _TRUNCATED = "\n[...truncated]"
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+# Start-up time the Kubernetes manifests allow beyond vLLM's own attempts: `vlaunch exec`
+# re-planning, the exporter coming up, and the kubelet's probe period.
+STARTUP_MARGIN_S = 300
 
 
 def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
@@ -122,6 +128,31 @@ def load_plan(path: str | os.PathLike[str]) -> dict:
     if not isinstance(plan, dict) or not isinstance(plan.get("vllm_args"), list):
         raise InputError(f"plan {p} is not a vlaunch plan: expected an object with `vllm_args`")
     return plan
+
+
+def startup_deadline_s(plan: Mapping[str, Any]) -> float:
+    """Seconds one start-up attempt of `plan` may take before `serve`/`exec` call it a hang.
+
+    `serve`'s own rule (a base plus the weights read at a slow volume's speed), in one place for
+    the others that must agree with it: the exporter counts a silent engine as starting for
+    this long, and the manifests' startupProbe allows every attempt this long.
+    """
+    from .serve import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE
+
+    model = plan.get("model") if isinstance(plan, Mapping) else None
+    weights = model.get("weights_bytes") if isinstance(model, Mapping) else None
+    weights = weights if isinstance(weights, (int, float)) and weights > 0 else 0
+    return STARTUP_SECONDS_BASE + weights / STARTUP_BYTES_PER_SECOND
+
+
+def startup_budget_s(plan: Mapping[str, Any], attempts: int,
+                     margin_s: float = STARTUP_MARGIN_S) -> float:
+    """The whole start-up a supervisor may need for `plan`: every attempt to its deadline
+    (a failed attempt is re-planned and retried), plus a margin for vlaunch itself. A
+    startupProbe shorter than this kills a container that was still within its attempts."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be at least 1, not {attempts}")
+    return attempts * startup_deadline_s(plan) + margin_s
 
 
 def write_termination_message(text: str, path: str | os.PathLike[str] = TERMINATION_LOG) -> bool:

@@ -7,21 +7,33 @@ check is re-planned from what the failed attempt measured (a shorter context, a 
 utilization) and retried, up to `max_attempts`. A smoke request that fails on fp8 KV is a lesson
 recorded in the capability cache, and the engine restarts with auto KV. The exporter serves
 planned and actual numbers side by side for as long as vLLM runs.
+
+A signal (SIGTERM, SIGINT, SIGHUP) ends the run wherever it arrives: vLLM is stopped (drained
+for up to `stop_timeout`, then killed), nothing is retried or learnt, and the exit code is
+128 + the signal. Each attempt logs to its own file (`vllm-<run id>-attempt<N>.log`), so a
+second run in the same folder never reads the first one's lines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..predict.budget import GiB
@@ -29,7 +41,17 @@ from ..predict.capabilities import lesson_key, record_lesson
 from ..predict.planner import Pins, Plan, make_plan
 from ..render import plan_text
 from . import vllmlog
-from .runner import VllmRunner, arg_value, free_port, prefixed_echo
+from .runner import (
+    DEFAULT_STOP_TIMEOUT_S,
+    VLLM_COMMAND_ENV,
+    VllmRunner,
+    arg_value,
+    free_port,
+    prefixed_echo,
+    serve_both_names,
+    vllm_command,
+    with_drain,
+)
 
 STARTUP_SECONDS_BASE = 300
 STARTUP_BYTES_PER_SECOND = 200 * (1 << 20)
@@ -160,17 +182,143 @@ def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], di
     return lines, numbers
 
 
+PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
+                  ("pp", ("--pipeline-parallel-size", "-pp")),
+                  ("dp", ("--data-parallel-size", "-dp")))
+"""vLLM flags that change how many GPUs an engine needs: after `--` they are pins for the
+planner, never passed through behind its back (issue 13, item 7)."""
+
+
+def parallel_flags(extra: list[str]) -> dict[str, tuple[str, int]]:
+    """{pin: (flag as given, value)} for the layout flags in `extra`; InputError when a value
+    is not a positive whole number."""
+    found: dict[str, tuple[str, int]] = {}
+    for key, names in PARALLEL_FLAGS:
+        for name in names:
+            raw = arg_value(extra, name)
+            if raw is None:
+                continue
+            try:
+                value = int(raw)
+            except ValueError:
+                value = 0
+            if value < 1:
+                raise InputError(f"{name} {raw!r} after --: expected a whole number >= 1")
+            found[key] = (name, value)
+    return found
+
+
+def pins_from_extra(pins: Pins, extra: list[str]) -> tuple[Pins, list[str], list[str]]:
+    """Layout flags after `--` become pins (the plan is made with them, so a layout that needs
+    more GPUs than exist is refused like `--tp` would be). Returns (pins, extra without them,
+    notes)."""
+    found = parallel_flags(extra)
+    notes = []
+    for key, (name, value) in found.items():
+        mine = getattr(pins, key)
+        if mine is not None and mine != value:
+            raise InputError(f"--{key} {mine} (pinned) and {name} {value} after -- disagree; "
+                             "give one")
+        pins = dataclasses.replace(pins, **{key: value})
+        for _, names in PARALLEL_FLAGS:
+            if name in names:
+                for n in names:
+                    extra = _drop_flag(extra, n)
+        notes.append(f"{name} {value} after -- is a pin (--{key} {value}); planned with it")
+    return pins, extra, notes
+
+
+_runs = itertools.count(1)
+
+
+def new_run_id() -> str:
+    """Names this run's logs apart from every other run's in the same folder (the time, the
+    process, and which run of this process)."""
+    return time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}-{next(_runs)}"
+
+
+_FP8_WORDS = re.compile(r"fp8|float8|e4m3|e5m2|kv_cache_dtype", re.I)
+
+
+def smoke_says_fp8(error: str | None, logged: str) -> bool:
+    """Does a failed first request blame fp8 KV? Its error or what vLLM logged meanwhile must
+    say so (the doctor's kv_cache_dtype_unsupported); any other failure teaches nothing."""
+    if error and _FP8_WORDS.search(error):
+        return True
+    if not logged.strip():
+        return False
+    from ..observe import doctor
+
+    root = doctor.classify(logged)
+    return root is not None and root.cause == "kv_cache_dtype_unsupported"
+
+
+def explain_failure(runner: VllmRunner, outcome: Any, out: Callable[[str], None],
+                    lines: int = 8) -> None:
+    """vLLM's last lines and the doctor's diagnosis, so a failed start shows its cause."""
+    tail = [line for line in outcome.log_tail if line.strip()][-lines:]
+    if tail:
+        out(f"vlaunch: vLLM's last lines (all in {runner.log_path}):")
+        for line in tail:
+            out(f"  | {line[:400]}")
+    with contextlib.suppress(Exception):  # a diagnosis is a bonus, never a second failure
+        from ..observe import doctor
+
+        report = doctor.scan_text(runner.log_text())
+        doctor.apply_log_fixes(report)
+        root = report.root
+        if root is not None:
+            why = "; ".join(root.explain) or "see `vlaunch doctor` on the log"
+            out(f"vlaunch: doctor: {root.cause} (phase {root.phase}): {why}")
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _ended_by_signal(runner: VllmRunner, out: Callable[[str], None]) -> int:
+    """The exit status of a run a signal ended: 128 + the signal (143 TERM, 130 INT, 129 HUP)."""
+    sig = runner.interrupted or signal.SIGTERM
+    if runner.killed_after_grace:
+        out(f"vlaunch: vLLM did not stop within {runner.grace_period:g}s; killed")
+    out(f"vlaunch: stopped by {_signal_name(sig)}")
+    return 128 + sig
+
+
+def _output_notes(runner: VllmRunner, out: Callable[[str], None]) -> None:
+    if runner.log_write_errors:
+        out(f"vlaunch: {runner.log_write_errors} lines of vLLM's output could not be written to "
+            f"{runner.log_path} ({runner.log_write_error}); vLLM was not held up")
+    if runner.echo_dropped:
+        out(f"vlaunch: {runner.echo_dropped} lines not echoed (the terminal was slower than "
+            f"vLLM); all are in {runner.log_path}")
+
+
+def _refuse_busy_port(runner: VllmRunner) -> None:
+    if runner.port_answers():
+        raise InputError(
+            f"port {runner.port} already answers on {runner.host} (another server, or a vLLM "
+            "left by an earlier run?); stop it or give a free --port")
+
+
 def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           max_attempts: int = 3, quiet: bool = False, verbose: bool = False,
           dry_run: bool = False, metrics_port: int | None = 9400,
           metrics_bind: str = "127.0.0.1", log_dir: Path | None = None,
           goals: dict[str, Any] | None = None,
           startup_timeout: float | None = None, port: int | None = None,
+          stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
           out: Callable[[str], None] = print,
           plan_hook: Callable[[Plan], Plan] | None = None) -> ServeResult:
-    """Run the whole loop; returns when vLLM exits (or start-up finally failed)."""
+    """Run the whole loop; returns when vLLM exits (or start-up finally failed, or a signal
+    stopped it: exit code 128 + the signal, no restart, nothing learnt)."""
     result = ServeResult(exit_code=1)
-    extra = list(extra)
+    pins, extra, pin_notes = pins_from_extra(pins, list(extra))
+    for n in pin_notes:
+        out(f"vlaunch: {n}")
     original = pins
     exporter = None
     say = (lambda s: None) if quiet else out  # noqa: E731
@@ -179,164 +327,272 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     user_port = arg_value(extra, "--port")
     api_port = int(user_port) if user_port else (port or free_port())
     transient_retried = False
-    for number in range(1, max_attempts + 1):
-        plan = make_plan(spec, hw, pins, **(goals or {}))
-        if plan_hook:
-            plan = plan_hook(plan)
-        d = plan.to_dict()
-        result.plan = d
-        if number == 1:
-            say(plan_text(d))
-        if not plan.fits:
-            out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
-            result.exit_code = 3
-            return result
-        args, notes = merge_args(d["vllm_args"], extra)
-        if "--port" not in args:
-            args += ["--port", str(api_port)]
-        for n in notes:
-            out(f"vlaunch: {n}")
-        env = dict(d["env"])
-        if d["kv_cache"].get("pinned"):
-            # A legacy VLLM_CPU_KVCACHE_SPACE in our environment would replace the pinned bytes.
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        if dry_run:
-            runner = VllmRunner(args, env=env)
-            out(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " "
-                + " ".join(shlex.quote(a) for a in runner.argv))
-            result.exit_code = 0
-            return result
-        deadline = startup_timeout or (STARTUP_SECONDS_BASE
-                                       + d["model"]["weights_bytes"] / STARTUP_BYTES_PER_SECOND)
-        log_path = (log_dir or Path.cwd()) / f"vllm-attempt{number}.log"
-        started = time.monotonic()
-        phases: list[str] = []
+    run_id = new_run_id()
+    try:
+        for number in range(1, max_attempts + 1):
+            plan = make_plan(spec, hw, pins, **(goals or {}))
+            if plan_hook:
+                plan = plan_hook(plan)
+            d = plan.to_dict()
+            result.plan = d
+            if number == 1:
+                say(plan_text(d))
+            if not plan.fits:
+                out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
+                result.exit_code = 3
+                return result
+            args, notes = merge_args(serve_both_names(d["vllm_args"]), extra)
+            if "--port" not in args:
+                args += ["--port", str(api_port)]
+            args = with_drain(args, d.get("vllm_version"), stop_timeout)
+            for n in notes:
+                out(f"vlaunch: {n}")
+            env = dict(d["env"])
+            if d["kv_cache"].get("pinned"):
+                # A legacy VLLM_CPU_KVCACHE_SPACE in our environment would replace the pinned
+                # bytes.
+                os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            if dry_run:
+                runner = VllmRunner(args, env=env)
+                out(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " "
+                    + " ".join(shlex.quote(a) for a in runner.argv))
+                result.exit_code = 0
+                return result
+            deadline = startup_timeout or (STARTUP_SECONDS_BASE
+                                           + d["model"]["weights_bytes"]
+                                           / STARTUP_BYTES_PER_SECOND)
+            log_path = (log_dir or Path.cwd()) / f"vllm-{run_id}-attempt{number}.log"
+            started = time.monotonic()
+            phases: list[str] = []
 
-        def on_phase(phase: str, started: float = started, phases: list[str] = phases) -> None:
-            phases.append(phase)
-            if not quiet:
-                out(f"  [{time.monotonic() - started:6.1f}s] {phase}")
+            def on_phase(phase: str, started: float = started,
+                         phases: list[str] = phases) -> None:
+                phases.append(phase)
+                if not quiet:
+                    out(f"  [{time.monotonic() - started:6.1f}s] {phase}")
 
-        runner = VllmRunner(args, env=env, log_path=log_path, on_phase=on_phase,
-                            echo=prefixed_echo() if verbose else None,
-                            startup_timeout=deadline)
-        if metrics_port is not None and exporter is None:
-            exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out)
-        elif exporter is not None:
-            exporter.plan = d
-            exporter.record_restart()
-        say(f"vlaunch: attempt {number}/{max_attempts}: starting vLLM (log: {log_path})")
-        with runner, runner.forward_signals():
-            runner.start()
-            outcome = runner.wait_ready()
-            if not outcome.ready:
-                failure = outcome.failure
-                detail = (failure.message if failure
-                          else f"{outcome.reason} (rc {outcome.returncode})")
-                result.attempts.append(Attempt(number, args, "failed", detail))
-                out(f"vlaunch: attempt {number} failed: {detail}")
-                if outcome.reason == "interrupted":
-                    result.exit_code = outcome.returncode or 130
+            runner = VllmRunner(args, env=env, log_path=log_path, on_phase=on_phase,
+                                echo=prefixed_echo() if verbose else None,
+                                startup_timeout=deadline, grace_period=stop_timeout)
+            _refuse_busy_port(runner)
+            if metrics_port is not None and exporter is None:
+                exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out)
+            elif exporter is not None:
+                exporter.plan = d
+                exporter.record_restart()
+            say(f"vlaunch: attempt {number}/{max_attempts}: starting vLLM (log: {log_path})")
+            with runner, runner.forward_signals():
+                try:
+                    runner.start()
+                except OSError as e:
+                    out(f"vlaunch: cannot run {shlex.join(runner.program)}: "
+                        f"{e.strerror or e}; is vLLM installed? ({VLLM_COMMAND_ENV} sets the "
+                        "command)")
+                    result.attempts.append(Attempt(number, args, "not started", str(e)))
+                    result.exit_code = 127
                     return result
-                step = next_attempt(pins, plan, failure, extra, transient_retried)
-                if step is None or number == max_attempts:
-                    break
-                pins, extra, why, same_flags = step
-                transient_retried = transient_retried or same_flags
-                out(f"vlaunch: re-planning: {why}")
-                continue
-            actual = runner.read_actual()
-            lines, numbers = verification_table(d, actual)
-            say("vlaunch: vLLM is ready; planned vs actual:")
-            for line in lines:
-                say(line)
-            result.actual = {"numbers": numbers, **actual.to_dict()}
-            learnt = learn_measured_kv(d, actual.allocation)
-            if learnt:
-                say(f"vlaunch: recorded vLLM's measured KV memory for the next plan ({learnt})")
-            smoke = runner.smoke_test()
-            if not smoke.ok:
-                kv = d["kv_cache"]["dtype"]
-                result.attempts.append(Attempt(number, args, "smoke failed", smoke.error or ""))
-                out(f"vlaunch: the smoke request failed: {smoke.error}")
-                if kv.startswith("fp8") and number < max_attempts:
-                    key = lesson_key(hw, spec.attention, plan.vllm_version)
-                    path = record_lesson(key, False, f"fp8 KV allocated, then the first "
-                                         f"request failed ({(smoke.error or '')[:160]})")
-                    out(f"vlaunch: fp8 KV does not work here; recorded in {path}; "
-                        "restarting with --kv-cache-dtype auto")
-                    # A context shortened for fp8's capacity is re-planned for the new dtype.
-                    pins = dataclasses.replace(pins, kv_cache_dtype="auto",
-                                               max_model_len=original.max_model_len)
-                    extra = _drop_flag(extra, "--kv-cache-dtype")
+                outcome = runner.wait_ready()
+                if runner.interrupted is not None:
+                    result.attempts.append(Attempt(number, args, "interrupted"))
+                    runner.stop()
+                    result.exit_code = _ended_by_signal(runner, out)
+                    return result
+                if not outcome.ready:
+                    failure = outcome.failure
+                    detail = (failure.message if failure
+                              else f"{outcome.reason} (rc {outcome.returncode})")
+                    result.attempts.append(Attempt(number, args, "failed", detail))
+                    out(f"vlaunch: attempt {number} failed: {detail}")
+                    explain_failure(runner, outcome, out)
+                    step = next_attempt(pins, plan, failure, extra, transient_retried)
+                    if step is None or number == max_attempts:
+                        break
+                    pins, extra, why, same_flags = step
+                    transient_retried = transient_retried or same_flags
+                    out(f"vlaunch: re-planning: {why}")
                     continue
-                break
-            result.attempts.append(Attempt(number, args, "serving"))
-            say(f"vlaunch: smoke request answered in {smoke.seconds:.2f}s; serving on "
-                f"{runner.base_url}")
-            if exporter is not None:
-                _set_actual(exporter, actual)
-            status = runner.wait()
-            if runner.unexpected_exit:
-                out(f"vlaunch: vLLM exited unexpectedly with status {status}")
-            result.exit_code = status if status is not None else 1
-            if exporter:
-                exporter.stop()
-            return result
-    out("vlaunch: could not start vLLM: " + "; ".join(
-        f"attempt {a.number}: {a.outcome} ({a.detail[:200]})" for a in result.attempts))
-    result.exit_code = result.exit_code if result.exit_code not in (0,) else 1
-    if exporter:
-        exporter.stop()
-    return result
+                actual = runner.read_actual()
+                lines, numbers = verification_table(d, actual)
+                say("vlaunch: vLLM is ready; planned vs actual:")
+                for line in lines:
+                    say(line)
+                result.actual = {"numbers": numbers, **actual.to_dict()}
+                learnt = learn_measured_kv(d, actual.allocation)
+                if learnt:
+                    say(f"vlaunch: recorded vLLM's measured KV memory for the next plan "
+                        f"({learnt})")
+                mark = runner.bytes_seen
+                smoke = runner.smoke_test()
+                if runner.interrupted is not None:  # a signal is no evidence about fp8
+                    result.attempts.append(Attempt(number, args, "interrupted"))
+                    runner.stop()
+                    result.exit_code = _ended_by_signal(runner, out)
+                    return result
+                if not smoke.ok:
+                    kv = d["kv_cache"]["dtype"]
+                    result.attempts.append(Attempt(number, args, "smoke failed",
+                                                   smoke.error or ""))
+                    out(f"vlaunch: the smoke request failed: {smoke.error}")
+                    runner.settle()
+                    logged = runner.text_since(mark)
+                    said = smoke_says_fp8(smoke.error, logged)
+                    if kv.startswith("fp8") and said and number < max_attempts:
+                        key = lesson_key(hw, spec.attention, plan.vllm_version)
+                        path = record_lesson(key, False, f"fp8 KV allocated, then the first "
+                                             f"request failed ({(smoke.error or '')[:160]})")
+                        out(f"vlaunch: fp8 KV does not work here; recorded in {path}; "
+                            "restarting with --kv-cache-dtype auto")
+                        # A context shortened for fp8's capacity is re-planned for the new
+                        # dtype.
+                        pins = dataclasses.replace(pins, kv_cache_dtype="auto",
+                                                   max_model_len=original.max_model_len)
+                        extra = _drop_flag(extra, "--kv-cache-dtype")
+                        continue
+                    explain_failure(runner, SimpleNamespace(
+                        log_tail=logged.splitlines()[-40:]), out)
+                    break
+                result.attempts.append(Attempt(number, args, "serving"))
+                say(f"vlaunch: smoke request answered in {smoke.seconds:.2f}s; serving on "
+                    f"{runner.base_url}")
+                if exporter is not None:
+                    _set_actual(exporter, actual)
+                status = runner.wait()
+                _output_notes(runner, out)
+                if runner.interrupted is not None:
+                    result.exit_code = _ended_by_signal(runner, out)
+                    return result
+                if runner.unexpected_exit:
+                    out(f"vlaunch: vLLM exited unexpectedly with status {status}")
+                result.exit_code = status if status is not None else 1
+                return result
+        out("vlaunch: could not start vLLM: " + "; ".join(
+            f"attempt {a.number}: {a.outcome} ({a.detail[:200]})" for a in result.attempts))
+        result.exit_code = result.exit_code if result.exit_code not in (0,) else 1
+        return result
+    finally:
+        if exporter:
+            exporter.stop()
+
+
+def _run_pre_command(pre: list[str], out: Callable[[str], None]) -> int:
+    """Run one node pre-command (e.g. `ray start --head`); a failure is one line, not a
+    traceback. Returns its exit status (127 when it cannot be run).
+
+    Its output goes to a temporary file, not a pipe: daemons it leaves running (Ray's) keep
+    their inherited descriptors, and a pipe would never reach end-of-file.
+    """
+    with tempfile.TemporaryFile() as log:
+        try:
+            rc = subprocess.run(pre, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT).returncode
+        except OSError as e:
+            out(f"vlaunch: cannot run `{shlex.join(pre)}`: {e.strerror or e}")
+            return 127
+        if rc == 0:
+            return 0
+        log.seek(max(0, log.seek(0, os.SEEK_END) - 65536))
+        lines = [ln for ln in log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    why = f": {lines[-1].strip()[:300]}" if lines else ""
+    out(f"vlaunch: `{shlex.join(pre)}` failed with status {rc}{why}")
+    return rc if 0 < rc < 256 else 1
+
+
+def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list[str],
+                log_path: Path | None, stop_timeout: float, startup_timeout: float | None,
+                verbose: bool, on_phase: Callable[[str], None] | None = None) -> VllmRunner:
+    """The runner for one node: `vllm serve ...` with the plan's arguments, or the node's
+    own program (a Ray worker's `ray start --block`) run verbatim."""
+    from .multinode import VLLM_PROGRAM
+
+    program = list(VLLM_PROGRAM)
+    echo = prefixed_echo() if verbose else None
+    if launch.argv[: len(program)] != program:
+        if extra:
+            raise InputError(f"this node runs `{shlex.join(launch.argv[:2])}`, not vLLM; give "
+                             "vLLM's flags after -- to the leader")
+        return VllmRunner(launch.argv, env=launch.env, command=[], api=False, echo=echo,
+                          log_path=log_path, grace_period=stop_timeout, on_phase=on_phase)
+    args = launch.argv[len(program):]
+    args = ["--model", args[0], *args[1:]] if args and not args[0].startswith("-") else args
+    if parallel_flags(extra):
+        raise InputError("a multi-node plan's layout is fixed (every node must agree); plan "
+                         "again with --tp/--pp/--dp instead of passing them after --")
+    args, _ = merge_args(serve_both_names(args), extra)
+    if launch.serves_api:
+        if port and "--port" not in args:
+            args += ["--port", str(port)]
+        args = with_drain(args, d.get("vllm_version"), stop_timeout)
+    deadline = startup_timeout or (STARTUP_SECONDS_BASE
+                                   + d["model"]["weights_bytes"] / STARTUP_BYTES_PER_SECOND)
+    return VllmRunner(args, env=launch.env, echo=echo, log_path=log_path,
+                      command=vllm_command(serve_cli="--headless" in args),
+                      startup_timeout=deadline, grace_period=stop_timeout, on_phase=on_phase,
+                      api=launch.serves_api)
 
 
 def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: int | None,
              metrics_bind: str, log_dir: Path, dry_run: bool, verbose: bool,
-             startup_timeout: float | None, out: Callable[[str], None] = print) -> int:
+             startup_timeout: float | None, stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
+             extra: list[str] | None = None, out: Callable[[str], None] = print) -> int:
     """One node of a multi-node plan (`launcher.run.multinode.NodeLaunch`), supervised.
 
     The leader is watched like `serve` (ready, planned vs actual, exporter); a headless worker
-    only runs until vLLM exits. Re-planning is not attempted: the group must agree on one plan.
+    or a Ray worker only runs until its process exits. Re-planning is not attempted: the group
+    must agree on one plan. The dry run prints exactly what would be executed.
     """
-    program = ["vllm", "serve"]
-    args = launch.argv[len(program):] if launch.argv[:2] == program else launch.argv
-    args = ["--model", args[0], *args[1:]] if args and not args[0].startswith("-") else args
-    if port and "--port" not in args:
-        args += ["--port", str(port)]
+    log_path = log_dir / f"vllm-{new_run_id()}-{launch.role}{launch.node_rank}.log"
+    runner = node_runner(launch, d, port=port, extra=list(extra or []), log_path=log_path,
+                         stop_timeout=stop_timeout, startup_timeout=startup_timeout,
+                         verbose=verbose, on_phase=lambda phase: out(f"  {launch.role}: {phase}"))
     if dry_run:
         for pre in launch.pre_commands:
             out(shlex.join(pre))
         out(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items())) + " "
-            + shlex.join(launch.argv))
+            + shlex.join(runner.argv))
         return 0
+    if launch.serves_api:
+        _refuse_busy_port(runner)
     for pre in launch.pre_commands:  # e.g. `ray start --head`; a failure is the node's failure
-        subprocess.run(pre, check=True)
-    deadline = startup_timeout or (STARTUP_SECONDS_BASE
-                                   + d["model"]["weights_bytes"] / STARTUP_BYTES_PER_SECOND)
-    runner = VllmRunner(args, env=launch.env, command=program,
-                        log_path=log_dir / f"vllm-{launch.role}{launch.node_rank}.log",
-                        echo=prefixed_echo() if verbose else None, startup_timeout=deadline,
-                        on_phase=lambda phase: out(f"  {launch.role}: {phase}"))
+        rc = _run_pre_command(pre, out)
+        if rc:
+            return rc
     exporter = None
     with runner, runner.forward_signals():
-        runner.start()
+        try:
+            runner.start()
+        except OSError as e:
+            out(f"vlaunch: cannot run {shlex.join(runner.argv[:2])}: {e.strerror or e}")
+            return 127
         if launch.serves_api:
             outcome = runner.wait_ready()
+            if runner.interrupted is not None:
+                return _ended_by_signal(runner, out)
             if not outcome.ready:
                 why = outcome.failure.message if outcome.failure else outcome.reason
                 out(f"vlaunch: {launch.role} failed to start: {why}")
-                return outcome.returncode or 1
+                explain_failure(runner, outcome, out)
+                return runner.exit_status or 1
             actual = runner.read_actual()
             for line in verification_table(d, actual)[0]:
                 out(line)
+            out(f"vlaunch: {launch.role} serving on {runner.base_url}")
             if metrics_port is not None:
                 exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out)
                 if exporter is not None:
                     _set_actual(exporter, actual)
-        status = runner.wait()
-    if exporter:
-        exporter.stop()
+        try:
+            status = runner.wait()
+        finally:
+            if exporter:
+                exporter.stop()
+        _output_notes(runner, out)
+        if runner.interrupted is not None:
+            return _ended_by_signal(runner, out)
+        if runner.unexpected_exit:
+            out(f"vlaunch: {launch.role}'s process exited unexpectedly with status {status}")
+            if status and not launch.serves_api:
+                explain_failure(runner, SimpleNamespace(log_tail=runner.lines_since(0)[-40:]),
+                                out)
     return status if status is not None else 1
 
 

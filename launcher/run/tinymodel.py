@@ -34,6 +34,10 @@ from ..paths import cache_dir
 GENERATOR_VERSION = 1
 STAMP_FILE = ".vlaunch-tinymodel.json"
 MODEL_NAME = "tiny-deepseek-v3"
+MTP_MODEL_NAME = "tiny-deepseek-v3-mtp"
+"""The variant with one multi-token-prediction layer (`num_nextn_predict_layers: 1`, stored as
+`model.layers.3.*` like DeepSeek-V3's layer 61), for `--speculative-config` tests; a separate
+folder, so the plain tiny model every other test uses keeps its identity."""
 SEED = 20240607
 
 VOCAB_SIZE = 512
@@ -56,8 +60,9 @@ The engine reports how many tokens fit in the cache and how many requests run at
 """
 
 
-def config_dict() -> dict[str, Any]:
-    """config.json: DeepSeek-V3's structure with small sizes (see module docstring)."""
+def config_dict(mtp_layers: int = 0) -> dict[str, Any]:
+    """config.json: DeepSeek-V3's structure with small sizes (see module docstring);
+    `mtp_layers` > 0 adds DeepSeek's MTP layers after the decoder layers."""
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -93,7 +98,7 @@ def config_dict() -> dict[str, Any]:
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": mtp_layers,
         "bos_token_id": SPECIAL_TOKENS.index("<|bos|>"),
         "eos_token_id": SPECIAL_TOKENS.index("<|eos|>"),
         "pad_token_id": SPECIAL_TOKENS.index("<|pad|>"),
@@ -115,8 +120,18 @@ def _tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]
     out: list[tuple[str, tuple[int, ...], str]] = [
         ("model.embed_tokens.weight", (cfg["vocab_size"], h), "normal")
     ]
-    for i in range(cfg["num_hidden_layers"]):
+    layers = cfg["num_hidden_layers"]
+    for i in range(layers + cfg["num_nextn_predict_layers"]):
         p = f"model.layers.{i}."
+        if i >= layers:  # an MTP layer (DeepSeek-V3 layer 61; vLLM deepseek_mtp.py names)
+            out += [
+                (p + "enorm.weight", (h,), "ones"),
+                (p + "hnorm.weight", (h,), "ones"),
+                (p + "eh_proj.weight", (h, 2 * h), "normal"),
+                (p + "shared_head.norm.weight", (h,), "ones"),
+                (p + "shared_head.head.weight", (cfg["vocab_size"], h), "normal"),
+                (p + "embed_tokens.weight", (cfg["vocab_size"], h), "normal"),
+            ]
         out += [
             (p + "input_layernorm.weight", (h,), "ones"),
             (p + "post_attention_layernorm.weight", (h,), "ones"),
@@ -222,8 +237,8 @@ def _write_tokenizer(out: Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def _write_all(out: Path) -> None:
-    cfg = config_dict()
+def _write_all(out: Path, mtp_layers: int = 0) -> None:
+    cfg = config_dict(mtp_layers)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen_cfg = {
         "bos_token_id": cfg["bos_token_id"],
@@ -236,37 +251,40 @@ def _write_all(out: Path) -> None:
     _write_tokenizer(out)
     total = _write_weights(out, cfg)
     stamp = {"generator_version": GENERATOR_VERSION, "seed": SEED, "weights_bytes": total}
+    if mtp_layers:  # the plain model's stamp stays byte-identical
+        stamp["mtp_layers"] = mtp_layers
     (out / STAMP_FILE).write_text(json.dumps(stamp) + "\n")
 
 
-def default_path() -> Path:
-    return cache_dir() / "models" / MODEL_NAME
+def default_path(mtp: bool = False) -> Path:
+    return cache_dir() / "models" / (MTP_MODEL_NAME if mtp else MODEL_NAME)
 
 
-def is_current(path: Path) -> bool:
-    """True if `path` holds a model written by this generator version."""
+def is_current(path: Path, mtp: bool = False) -> bool:
+    """True if `path` holds a model written by this generator version (with MTP if asked)."""
     try:
         stamp = json.loads((path / STAMP_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(stamp, dict) and stamp.get("generator_version") == GENERATOR_VERSION
+    return (isinstance(stamp, dict) and stamp.get("generator_version") == GENERATOR_VERSION
+            and stamp.get("mtp_layers", 0) == (1 if mtp else 0))
 
 
-def ensure_tiny_model(path: str | os.PathLike[str] | None = None) -> Path:
+def ensure_tiny_model(path: str | os.PathLike[str] | None = None, mtp: bool = False) -> Path:
     """Return a folder holding the tiny model, generating it only if missing or stale.
 
     The files are written into a temporary sibling folder which is then renamed into place,
     so a crash or a concurrent caller never leaves a half-written model behind.
     """
-    target = Path(path) if path is not None else default_path()
+    target = Path(path) if path is not None else default_path(mtp)
     target = target.expanduser().resolve()
-    if is_current(target):
+    if is_current(target, mtp):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _write_all(tmp)
-        if is_current(target):  # another process won the race
+        _write_all(tmp, 1 if mtp else 0)
+        if is_current(target, mtp):  # another process won the race
             return target
         # mkdtemp makes the folder private and safetensors may too; a model is shared data.
         tmp.chmod(0o755)

@@ -55,6 +55,7 @@ from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins, make_plan
+from ..predict.speculative import measured_acceptance
 from .emit import atomic_write, emit_plan
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
 from .runner import VllmRunner, arg_value
@@ -271,9 +272,24 @@ def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any
     dtypes = [pins.kv_cache_dtype] if pins.kv_cache_dtype else (
         ["auto", "fp8"] if fp8_ok else ["auto"])
     eager = [True] if pins.enforce_eager else ([False] if hw.is_cpu else [False, True])
-    for layout, s, t, dt, e in itertools.product(layouts, seqs, tokens, dtypes, eager):
+    for layout, s, t, dt, e, mtp in itertools.product(layouts, seqs, tokens, dtypes, eager,
+                                                      mtp_variants(spec, hw, pins, base)):
         yield dataclasses.replace(pins, max_num_seqs=s, max_num_batched_tokens=t,
-                                  kv_cache_dtype=dt, enforce_eager=e, **layout)
+                                  kv_cache_dtype=dt, enforce_eager=e, **layout, **mtp)
+
+
+def mtp_variants(spec: ModelSpec, hw: Hardware, pins: Pins,
+                 base: dict[str, Any]) -> list[dict[str, Any]]:
+    """MTP as a knob: off and each num_speculative_tokens of profiles/serving.yaml where the
+    model has an MTP layer and the version and platform load it; a pin stays pinned."""
+    from ..predict import speculative
+
+    if pins.speculative is not None or pins.num_speculative_tokens:
+        return [{}]
+    if not speculative.support(spec, hw, base["vllm_version"])[0]:
+        return [{}]
+    return [{"speculative": False}] + [{"speculative": True, "num_speculative_tokens": int(k)}
+                                       for k in speculative.mtp_table()["candidates"]]
 
 
 def _layout_pins(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[dict[str, Any]]:
@@ -367,7 +383,13 @@ def _changes(d: dict[str, Any], base: dict[str, Any]) -> int:
     first (the prediction cannot tell them apart, so the smaller step is the safer one)."""
     keys = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "parallel")
     return sum(d.get(k) != base.get(k) for k in keys) + (
-        d["kv_cache"]["dtype"] != base["kv_cache"]["dtype"])
+        d["kv_cache"]["dtype"] != base["kv_cache"]["dtype"]) + (
+        _mtp_k(d) != _mtp_k(base))
+
+
+def _mtp_k(d: dict[str, Any]) -> int:
+    s = ((d.get("serving") or {}).get("speculative") or {})
+    return int(s.get("num_speculative_tokens") or 0) if s.get("enabled") else 0
 
 
 def rank_candidates(cands: list[TrialSpec], base: dict[str, Any]) -> list[TrialSpec]:
@@ -394,6 +416,7 @@ def _describe(d: dict[str, Any]) -> str:
         "+EP" if p["expert_parallel"] and p["dp"] * p["tp"] > 1 else "")
     text = (f"{layout} seqs={d['max_num_seqs']} batched={d['max_num_batched_tokens']} "
             f"kv={d['kv_cache']['dtype']}")
+    text += f" mtp={_mtp_k(d)}" if _mtp_k(d) else ""
     return text + (" eager" if d.get("enforce_eager") else "")
 
 
@@ -962,6 +985,9 @@ class Tuner:
                 raise
             point = flat_point(s, o.slo, o.threshold, repeat)
             rec["results"].append(point)
+            acc = measured_acceptance(point.get("raw") or {})
+            if acc:  # MTP trials: what vLLM's benchmark measured (predict.speculative)
+                rec["mtp_acceptance"] = acc
             self.save()
             return point
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from launcher.inputs.model import load_model, spec_from_config
+from launcher.inputs.model import Quant, load_model, spec_from_config
 from launcher.predict import budget as B
 
 
@@ -54,15 +55,30 @@ def test_deepseek_v32_sparse_layout():
 
 
 def test_tp8_weights_per_gpu(v3):
-    # Replicated q_a/kv_a/router stay whole; everything else /8: (673.15-1.13)/8 + 1.13 GB.
+    # Replicated q_a/kv_a/router stay whole; everything else /8: (673.15-1.13)/8 + 1.13 GB,
+    # plus MLA's bf16 W_UK/W_UV made from the fp8 kv_b_proj: 61 layers x 128/8 heads x
+    # (128 nope + 128 v) x 512 latent x 2 B = 61 x 4 MiB = 244 MiB.
     per_gpu = B.stage_weight_bytes(v3, B.Layout(tp=8, expert_parallel=True))[0]
-    assert per_gpu / B.GiB == pytest.approx(79.3, abs=0.1)
+    absorbed = 61 * (128 // 8) * (128 + 128) * 512 * 2
+    assert absorbed == 244 * B.MiB
+    assert (per_gpu - absorbed) / B.GiB == pytest.approx(79.3, abs=0.1)
+
+
+def test_mla_absorbed_copies_only_for_a_quantized_kv_b_proj(v3):
+    # A bf16 kv_b_proj is viewed, not copied: 4 MiB per layer only for the fp8 checkpoint.
+    t = next(x for x in v3.tensors if x.name == "kv_b_proj")
+    layout = B.Layout(tp=8, expert_parallel=True)
+    assert B.mla_absorbed_bytes(t, v3, layout) == 4 * B.MiB
+    bf16 = dataclasses.replace(v3, quant=Quant())
+    assert B.mla_absorbed_bytes(t, bf16, layout) == 0
 
 
 def test_dp8_ep8_replicates_attention(v3):
     # Routed experts /8, everything else whole on each rank: 93.9 GiB (deepseek-facts §2.4).
+    # Plus W_UK/W_UV for all 128 heads: 61 x 128 x 256 x 512 x 2 B = 1.91 GiB.
     per_gpu = B.stage_weight_bytes(v3, B.Layout(tp=1, dp=8, expert_parallel=True))[0]
-    assert per_gpu / B.GiB == pytest.approx(93.9, abs=0.1)
+    absorbed = 61 * 128 * 256 * 512 * 2
+    assert (per_gpu - absorbed) / B.GiB == pytest.approx(93.9, abs=0.1)
 
 
 def _gqa(**over):

@@ -43,6 +43,7 @@ class GPUKind:
     price_usd_per_hour: float | None = None
     price_source: str = ""
     price_date: str = ""
+    cuda_total_bytes: int | None = None  # what torch.cuda.mem_get_info reports as total
 
     @property
     def cc(self) -> float | None:
@@ -65,6 +66,20 @@ class Hardware:
     source: str = "spec"  # spec | nvml | system
     notes: tuple[str, ...] = field(default=())
     devices: tuple = field(default=())  # inventory devices, when read through NVML
+    cuda_total_bytes: int | None = None  # CUDA's total when a log says it (else derived)
+
+    @property
+    def budget_total(self) -> int:
+        """The total vLLM multiplies by --gpu-memory-utilization: CUDA's (torch.cuda.
+        mem_get_info, v1/worker/utils.py request_memory), a little below NVML's total on NVIDIA
+        cards (H100: 79.18 vs 79.65 GiB). ROCm and the CPU engine report one total."""
+        if self.cuda_total_bytes:
+            return self.cuda_total_bytes
+        if self.kind.platform != "cuda":
+            return self.total_bytes
+        if self.kind.cuda_total_bytes and self.total_bytes == self.kind.total_bytes:
+            return self.kind.cuda_total_bytes
+        return round(self.total_bytes * (1 - cuda_reserved_fraction()))
 
     @property
     def count(self) -> int:
@@ -119,11 +134,21 @@ def _perf_fields(row: dict) -> dict:
         out["gemm_m_half"] = float(row["gemm_m_half"])
     if row.get("max_per_node"):
         out["max_per_node"] = int(row["max_per_node"])
+    if row.get("cuda_total_mib"):
+        out["cuda_total_bytes"] = int(row["cuda_total_mib"]) * MiB
     if price:
         out["price_usd_per_hour"] = float(price["usd_per_hour"])
         out["price_source"] = str(price.get("source", ""))
         out["price_date"] = str(price.get("date", ""))
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_reserved_fraction() -> float:
+    """Share of NVML's total that CUDA does not report (profiles/gpus.yaml), for NVIDIA cards
+    whose CUDA total no log has shown."""
+    data = read_yaml(profiles_dir() / "gpus.yaml")
+    return float(data.get("cuda_reserved_fraction") or 0.0)
 
 
 @functools.lru_cache(maxsize=1)

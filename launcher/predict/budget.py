@@ -31,6 +31,10 @@ SAMPLER_LOGIT_COPIES = 9.65
 top-k/top-p. Measured on vLLM V1 start-ups of Llama-3.1-8B, Qwen3-0.6B, Qwen3-32B and
 gpt-oss-20b/120b on H100 (shared/validation rows LD01-LD10: 9.59-9.73 for three vocabularies)."""
 
+SORT_COPIES = 3
+"""What a full-vocabulary sort adds to the sampler peak, in fp32-logit units: sorted fp32
+values (1) and int64 indices (2)."""
+
 ACT_HIDDEN_COPIES = 9
 """Live hidden-size activations per token during the profiling forward pass (residual,
 norm output, attention input/output, MoE input and combine buffers), in units of
@@ -107,7 +111,9 @@ def tensor_bytes(t: Tensor, quant: Quant, dtype_bytes: int) -> float:
     if quant.method == "fp8_channel":
         return n + t.rows * 4 * t.count
     if quant.method == "int4_group":
-        groups = math.ceil(t.cols / quant.group_size) * t.rows * t.count
+        # group_size -1 (GPTQ): one group over all of a row's inputs, i.e. per channel
+        per_row = math.ceil(t.cols / quant.group_size) if quant.group_size > 0 else 1
+        groups = per_row * t.rows * t.count
         return n * quant.bits / 8 + groups * 2 + groups * quant.bits / 8  # scales fp16 + zeros
     if quant.method == "mxfp4":
         return n / 2 + n / 32  # two values per byte, one e8m0 scale per 32
@@ -153,6 +159,11 @@ def shard_fraction(t: Tensor, layout: Layout, vocab: int) -> float:
     if t.shard == "vocab":
         padded = math.ceil(vocab / VOCAB_PADDING) * VOCAB_PADDING
         return math.ceil(padded / tp) / vocab
+    if t.part == "shared" and layout.expert_parallel and layout.dp > 1:
+        # DP+EP keeps the shared experts whole on every GPU: they run with the attention's
+        # data parallelism, not in the expert-parallel group (DeepseekV2MoE's shared_experts
+        # get no TP split when is_sequence_parallel / DP attention is on).
+        return 1.0
     if t.shard in ("expert_column", "expert_row"):
         if layout.expert_parallel:
             return math.ceil(t.count / ep) / t.count
@@ -203,12 +214,24 @@ def _stage_weight_bytes(spec: ModelSpec, layout: Layout) -> list[int]:
             continue
         size = tensor_bytes(t, spec.quant, spec.dtype_bytes) * shard_fraction(
             t, layout, spec.vocab_size)
+        if t.name == "kv_b_proj" and spec.attention.startswith("mla"):
+            size += mla_absorbed_bytes(t, spec, layout)
         if t.layer is None:
             totals[-1 if t.part == "head" else 0] += size
         else:
             idx = next((i for i, r in enumerate(stages) if t.layer in r), layout.pp - 1)
             totals[idx] += size
     return [round(x) for x in totals]
+
+
+def mla_absorbed_bytes(t: Tensor, spec: ModelSpec, layout: Layout) -> float:
+    """MLA's W_UK / W_UV made after loading from a quantized kv_b_proj: vLLM dequantizes it to
+    the activation dtype and keeps both halves for the absorbed decode path
+    (model_executor/layers/attention/mla_attention.py process_weights_after_loading:
+    W_UV, W_UK_T), one bf16 copy of the rank's kv_b_proj. A bf16 kv_b_proj is only viewed."""
+    if not is_quantized(t, spec.quant):
+        return 0.0
+    return t.elements * shard_fraction(t, layout, spec.vocab_size) * spec.dtype_bytes
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -230,21 +253,23 @@ def kv_dtype_bytes(kv_dtype: str, model_dtype_bytes: int) -> int:
     return 1 if kv_dtype.startswith("fp8") else model_dtype_bytes
 
 
-def kv_spec(spec: ModelSpec, kv_dtype: str, tp: int) -> KVSpec:
+def kv_spec(spec: ModelSpec, kv_dtype: str, tp: int, plain_fp8_sparse: bool = False) -> KVSpec:
     """Per-layer, per-token KV bytes on one GPU.
 
     MLA caches one latent (kv_lora_rank + qk_rope_head_dim) per token and layer on EVERY TP rank:
     it has a single KV head, so TP does not split it. DeepSeek-V3.2 stores the latent in
     vLLM's fp8_ds_mla format (512 fp8 + 4 fp32 scales + 64 bf16 rope = 656 B) plus the indexer's
-    key cache (head_dim fp8 + one fp32 scale per 128 values). GQA caches K and V per KV head,
-    split over TP until TP exceeds the KV heads, which are then replicated.
+    key cache (head_dim fp8 + one fp32 scale per 128 values). On Blackwell (vLLM >= 0.19) an
+    fp8 cache goes to FLASHINFER_MLA_SPARSE, which stores plain fp8 latents (576 B) instead
+    (plain_fp8_sparse). GQA caches K and V per KV head, split over TP until TP exceeds the KV
+    heads, which are then replicated.
     """
     eb = kv_dtype_bytes(kv_dtype, spec.dtype_bytes)
     if spec.attention in ("mla", "mla_sparse"):
         latent = spec.kv_lora_rank + spec.qk_rope_head_dim
         if spec.attention == "mla_sparse":
             main = (spec.kv_lora_rank + 4 * (spec.kv_lora_rank // 128) + 2 * spec.qk_rope_head_dim
-                    if eb == 1 else latent * eb)
+                    if eb == 1 and not plain_fp8_sparse else latent * eb)
             indexer = spec.index_head_dim + spec.index_head_dim // 128 * 4
             return KVSpec("mla_sparse", main + indexer)
         return KVSpec("mla", latent * eb)
@@ -271,7 +296,8 @@ def state_bytes(linear: tuple[int, int, int, int, int], tp: int, conv_bytes: int
 
 def layer_caches(spec: ModelSpec, kv_dtype: str, tp: int, *, hybrid: bool = True,
                  mla_align: int = 0, ssm_bytes: int | None = None,
-                 chunked_hybrid: bool = False) -> list[K.LayerCache]:
+                 chunked_hybrid: bool = False, plain_fp8_sparse: bool = False
+                 ) -> list[K.LayerCache]:
     """One cache spec per decoder layer, on one GPU of a TP group.
 
     hybrid: whether this vLLM has the hybrid KV cache manager; without it (or for Llama 4's
@@ -281,7 +307,7 @@ def layer_caches(spec: ModelSpec, kv_dtype: str, tp: int, *, hybrid: bool = True
     mla_align: V0 padded MLA's latent to this many values. ssm_bytes: the SSM state dtype when
     the platform overrides the config's (the CPU engine resets it to float32 on AVX512-BF16).
     """
-    per = kv_spec(spec, kv_dtype, tp)
+    per = kv_spec(spec, kv_dtype, tp, plain_fp8_sparse)
     per_token = per.bytes_per_layer
     if mla_align and spec.attention == "mla":
         latent = spec.kv_lora_rank + spec.qk_rope_head_dim
@@ -344,42 +370,81 @@ def _mlp_width_per_rank(spec: ModelSpec, layout: Layout) -> int:
 
 
 def activation_bytes(spec: ModelSpec, layout: Layout, max_num_batched_tokens: int,
-                     max_num_seqs: int) -> int:
+                     max_num_seqs: int, *, sampler_sorts: bool = True,
+                     moe_all_dp_tokens: bool = False) -> int:
     """Peak of vLLM's profiling run: a forward pass over max_num_batched_tokens, or the sampler
-    over max_num_seqs x vocab logits, whichever is larger (they do not overlap)."""
+    over max_num_seqs x vocab logits, whichever is larger (they do not overlap).
+
+    sampler_sorts: top-k/top-p by a full-vocabulary sort (fp32 values + int64 indices, three
+    logits' worth); releases whose FlashInfer/Triton top-k/top-p kernels skip it peak lower.
+    moe_all_dp_tokens: under DP+EP with the all-gather/reduce-scatter all-to-all (vLLM's
+    default), each rank's fused-MoE runs on the tokens of every DP rank, so its workspace
+    (tokens x top-k x (2 x intermediate + hidden)) grows with DP (fused_moe/modular_kernel.py
+    _allocate_buffers: M is the gathered token count, no chunking in 0.32).
+    """
     act = spec.dtype_bytes
     per_token = act * (ACT_HIDDEN_COPIES * spec.hidden_size
                        + ACT_MLP_COPIES * _mlp_width_per_rank(spec, layout))
     forward = max_num_batched_tokens * per_token
-    sampler = SAMPLER_LOGIT_COPIES * max_num_seqs * spec.vocab_size * 4
+    if moe_all_dp_tokens and spec.is_moe and layout.dp > 1 and layout.expert_parallel:
+        width = spec.experts_per_token * (2 * spec.moe_intermediate + spec.hidden_size)
+        forward += (layout.dp - 1) * max_num_batched_tokens * width * act
+    copies = SAMPLER_LOGIT_COPIES if sampler_sorts else SAMPLER_LOGIT_COPIES - SORT_COPIES
+    sampler = copies * max_num_seqs * spec.vocab_size * 4
     return round(max(forward, sampler))
 
 
-def non_torch_bytes(layout: Layout) -> int:
-    """NCCL / custom all-reduce buffers and CUDA workspaces outside torch's allocator."""
+def non_torch_bytes(layout: Layout, setup_before_snapshot: bool = False) -> int:
+    """NCCL / custom all-reduce buffers and CUDA workspaces outside torch's allocator.
+
+    setup_before_snapshot: since vLLM 0.11 the distributed setup (NCCL communicators, custom
+    all-reduce buffers, inter-node transports) runs before the memory snapshot the KV budget
+    is measured from (v1/worker/gpu_worker.py init_device), so only what NCCL allocates lazily
+    during the profiling pass still counts: the per-rank term, not the base or per-node one.
+    """
     group = layout.tp * layout.pp
     if group == 1 and layout.dp == 1:
         return NON_TORCH_SINGLE
+    if setup_before_snapshot:
+        return NON_TORCH_SINGLE + NON_TORCH_TP_PER_RANK * layout.tp
     extra_nodes = max(0, layout.nodes - 1)
     return (NON_TORCH_SINGLE + NON_TORCH_TP_BASE + NON_TORCH_TP_PER_RANK * layout.tp
             + NON_TORCH_PER_EXTRA_NODE * extra_nodes)
 
 
-def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """How many batch sizes vLLM captures: sizes up to min(2 x max_num_seqs, 512, tokens)."""
-    top = min(2 * max_num_seqs, 512, max_num_batched_tokens)
-    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
-    return sum(1 for s in sizes if s <= top)
+def capture_list(max_num_seqs: int, max_num_batched_tokens: int, cap: int = 512,
+                 decode_query_len: int = 1) -> list[int]:
+    """The batch sizes vLLM captures (config/vllm.py _set_cudagraph_sizes): 1, 2, 4, multiples
+    of 8 below 256, of 16 from 256, up to min(max_num_seqs x decode_query_len x 2, cap) and
+    max_num_batched_tokens. cap: 512, 1024 on data-center Blackwell (vLLM >= 0.28) or when a
+    model raises it (gpt-oss)."""
+    top = min(max_num_seqs * decode_query_len * 2, cap, max_num_batched_tokens)
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, cap + 1, 16))
+    return [x for x in sizes if x <= top]
+
+
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, cap: int = 512) -> int:
+    """How many batch sizes vLLM captures piecewise (see capture_list)."""
+    return len(capture_list(max_num_seqs, max_num_batched_tokens, cap))
 
 
 def cudagraph_bytes(spec: ModelSpec, layout: Layout, max_num_seqs: int,
-                    max_num_batched_tokens: int, enforce_eager: bool) -> int:
-    """vLLM's CUDA-graph memory estimate (subtracted from the KV budget since v0.21.0): a fixed
-    pool cost per captured size plus the largest graph's activations."""
+                    max_num_batched_tokens: int, enforce_eager: bool, *,
+                    full_and_piecewise: bool = False, cap: int = 512,
+                    decode_query_len: int = 1) -> int:
+    """vLLM's CUDA-graph memory estimate (subtracted from the KV budget since v0.20):
+    the largest graph's capture plus a per-graph cost for every other graph
+    (v1/worker/gpu_model_runner.py profile_cudagraph_memory: max first capture over the modes +
+    per-graph x (graphs - 1) per mode). Under FULL_AND_PIECEWISE (the default since 0.11)
+    there are two lists: piecewise graphs for every size, full graphs for uniform decode
+    batches up to max_num_seqs x decode_query_len."""
     if enforce_eager:
         return 0
-    n = capture_sizes(max_num_seqs, max_num_batched_tokens)
-    top = min(2 * max_num_seqs, 512, max_num_batched_tokens)
+    sizes = capture_list(max_num_seqs, max_num_batched_tokens, cap, decode_query_len)
+    n = len(sizes)
+    if full_and_piecewise:
+        n += sum(1 for x in sizes if x <= max_num_seqs * decode_query_len) - 1
+    top = sizes[-1] if sizes else 0
     act = spec.dtype_bytes * top * (ACT_HIDDEN_COPIES * spec.hidden_size
                                     + ACT_MLP_COPIES * _mlp_width_per_rank(spec, layout))
     return n * CUDAGRAPH_PER_CAPTURE + act

@@ -134,6 +134,9 @@ def fp8_kv_support(hw: Hardware, attention: str, vllm_version: str) -> tuple[boo
     lesson = lessons().get(lesson_key(hw, attention, vllm_version))
     if lesson is not None:
         return bool(lesson["supported"]), f"learnt at run time: {lesson['reason']}"
+    if attention.startswith("mla") and hw.kind.platform != "cpu" \
+            and not version_traits(vllm_version).has("fp8_mla_cache"):
+        return False, gate_reason("fp8_mla_cache", vllm_version)
     for row in table()["kv_cache_fp8"]:
         if _matches(row, hw, attention):
             return bool(row["supported"]), row["reason"]
@@ -155,9 +158,13 @@ def block_size(hw: Hardware, attention: str, kv_dtype: str) -> tuple[int, str]:
     return 16, "vLLM's default block size"
 
 
-def batch_defaults(hw: Hardware, world: int) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) that `vllm serve` would pick on this hardware."""
+def batch_defaults(hw: Hardware, world: int, version: str | None = None) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that `vllm serve` would pick on this hardware
+    (engine/arg_utils.py EngineArgs.get_batch_defaults); rows with `since` need that vLLM."""
+    v = parse_version(version or default_vllm_version())
     for row in table()["batch_defaults"]:
+        if "since" in row and v < parse_version(str(row["since"])):
+            continue
         if _matches(row, hw):
             scale = world if row.get("per_rank") else 1
             return int(row["max_num_batched_tokens"]) * scale, int(row["max_num_seqs"]) * scale

@@ -29,6 +29,7 @@ from .capabilities import (
     cpu_resets_ssm_dtype,
     default_vllm_version,
     fp8_kv_support,
+    gate_reason,
     version_traits,
 )
 from .perfplan import FP8_MARGIN
@@ -311,14 +312,51 @@ def tp_allowed(spec: ModelSpec, tp: int) -> str | None:
     return None
 
 
-def layouts(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[B.Layout]:
+def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: list[str],
+                   warnings: list[str]) -> None:
+    """Say which vLLM the plan is for, and refuse what that version cannot do."""
+    from .capabilities import installed_vllm, table
+
+    newest = str(table()["newest_modelled_vllm"])
+    if traits.newer_than_modelled:
+        warnings.append(f"vLLM {traits.version} is newer than the newest release vlaunch models "
+                        f"({newest}): planned with {newest}'s accounting")
+    if pins.vllm_version:
+        reasons.append(f"vLLM {traits.version}: as given by --vllm-version")
+    elif installed_vllm():
+        reasons.append(f"vLLM {traits.version}: the installed version")
+    else:
+        reasons.append(f"vLLM {traits.version}: assumed (no vLLM is installed here; "
+                       "--vllm-version sets another)")
+    if spec.attention.startswith("mla") and not traits.has("mla_attention"):
+        why = gate_reason("mla_attention", traits.version)
+        raise InputError(f"{spec.name} uses MLA attention: {why}; plan for a newer "
+                         "--vllm-version")
+    if pins.kv_cache_memory_bytes and not traits.has("kv_cache_memory_bytes"):
+        raise InputError(f"{gate_reason('kv_cache_memory_bytes', traits.version)}: drop the "
+                         "pinned KV size or plan for a newer --vllm-version")
+
+
+def layouts(spec: ModelSpec, hw: Hardware, pins: Pins,
+            traits: VersionTraits | None = None) -> list[B.Layout]:
     """Layouts over all GPUs. TP groups never straddle a node unless TP spans whole nodes
     (TP16 on 2x8: valid in vLLM, ranked against TP8 x PP2 by the model's cross-node
     all-reduce cost); PP stages inside a node or across nodes (vLLM places ranks TP-major,
     so a stage is a TP group); DP (+EP for MoE) as engines; an EP group never larger than the
     routed experts (vLLM cannot give a rank no expert)."""
     if hw.is_cpu:
+        if (pins.tp or 1) > 1 or (pins.pp or 1) > 1 or (pins.dp or 1) > 1:
+            raise InputError("the CPU engine is planned as one process: drop --tp/--pp/--dp "
+                             "(or the parallel sizes after --)")
         return [B.Layout()]
+    has_ep = traits is None or traits.has("expert_parallel")
+    has_dp = traits is None or traits.has("data_parallel")
+    if pins.expert_parallel and not has_ep:
+        raise InputError(f"{gate_reason('expert_parallel', traits.version)}: drop "
+                         "--expert-parallel or plan for a newer --vllm-version")
+    if (pins.dp or 1) > 1 and not has_dp:
+        raise InputError(f"{gate_reason('data_parallel', traits.version)}: drop --dp or plan "
+                         "for a newer --vllm-version")
     total, per_node = hw.count, hw.gpus_per_node
     tps = _divisors(per_node) + [per_node * k for k in _divisors(hw.nodes) if k > 1]
     out = []
@@ -329,11 +367,13 @@ def layouts(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[B.Layout]:
             pp = total // (tp * dp)
             if pins.pp and pp != pins.pp or pins.dp and dp != pins.dp:
                 continue
+            if dp > 1 and not has_dp:
+                continue
             if pp > 1 and (dp > 1 or pp > spec.num_layers):
                 continue
             if tp > per_node and dp > 1:
                 continue
-            ep = spec.is_moe and tp * dp > 1
+            ep = spec.is_moe and tp * dp > 1 and has_ep
             if pins.expert_parallel is not None:
                 ep = pins.expert_parallel and spec.is_moe
             if ep and tp * dp > spec.num_experts:
@@ -350,7 +390,7 @@ def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
                  warnings: list[str], reasons: list[str]) -> float:
     if hw.is_cpu:
         return CPU_MEMORY_FRACTION
-    ceiling = math.floor(max(0, hw.free_bytes - CUDA_CONTEXT_BYTES) / hw.total_bytes * 100) / 100
+    ceiling = math.floor(max(0, hw.free_bytes - CUDA_CONTEXT_BYTES) / hw.budget_total * 100) / 100
     if pins.gpu_memory_utilization is not None:
         u = pins.gpu_memory_utilization
         reasons.append(f"gpu-memory-utilization {u:.2f}: pinned by you")
@@ -371,21 +411,6 @@ def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
     return u
 
 
-def _kv_dtype(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
-              reasons: list[str], warnings: list[str]) -> str:
-    supported, why = fp8_kv_support(hw, spec.attention, version)
-    if pins.kv_cache_dtype:
-        reasons.append(f"kv-cache-dtype {pins.kv_cache_dtype}: pinned by you")
-        if pins.kv_cache_dtype.startswith("fp8") and not supported:
-            warnings.append(f"fp8 KV is not supported here: {why}")
-        return pins.kv_cache_dtype
-    if supported:
-        reasons.append(f"kv-cache-dtype fp8: halves KV bytes per token; {why}")
-        return "fp8"
-    reasons.append(f"kv-cache-dtype auto ({spec.dtype}): fp8 not chosen because {why}")
-    return "auto"
-
-
 def reported_tokens(blocks: int, block: int, length: int) -> int:
     """KV tokens as vLLM reports them: whole max-length requests' worth,
     blocks / cdiv(len, block) x len (kv_cache_utils); blocks x block when len is a multiple."""
@@ -401,7 +426,23 @@ def cache_options(spec: ModelSpec, hw: Hardware, traits: VersionTraits) -> dict[
     if hw.is_cpu and cpu_resets_ssm_dtype() and lay_dtype not in ("float32",):
         ssm = 4  # platforms/cpu.py: AVX512-BF16 CPUs keep GDN's SSM state in float32
     return {"hybrid": traits.has("hybrid_kv_cache"), "mla_align": traits.mla_cache_align,
-            "ssm_bytes": ssm}
+            "ssm_bytes": ssm, "plain_fp8_sparse": is_blackwell(hw)
+            and traits.has("sparse_mla_plain_fp8")}
+
+
+def is_blackwell(hw: Hardware) -> bool:
+    """Data-center Blackwell (compute capability 10.x: B200, B300, GB200)."""
+    cc = hw.kind.cc
+    return hw.kind.platform == "cuda" and cc is not None and 10.0 <= cc < 11.0
+
+
+def capture_cap(spec: ModelSpec, hw: Hardware, traits: VersionTraits) -> int:
+    """vLLM's largest CUDA-graph capture size: 512, or 1024 on data-center Blackwell
+    (config/vllm.py _set_cudagraph_sizes) and for gpt-oss (GptOssForCausalLMConfig)."""
+    if spec.architecture == "gpt_oss" or (is_blackwell(hw)
+                                           and traits.has("blackwell_capture_1024")):
+        return 1024
+    return 512
 
 
 def concurrent_batches(hw: Hardware, layout: B.Layout, traits: VersionTraits) -> int:
@@ -427,7 +468,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     """Run the budget model for one layout; the result says whether and how well it fits."""
     block = pins.block_size or block_size(hw, spec.attention, kv_dtype)[0]
     world = layout.tp * layout.pp
-    d_tokens, d_seqs = batch_defaults(hw, world)
+    d_tokens, d_seqs = batch_defaults(hw, world, traits.version)
     seqs = pins.max_num_seqs or d_seqs
     stages = B.pp_stages(spec.num_layers, layout.pp)
     pool, layer_specs = B.kv_pool(spec, kv_dtype, layout.tp, block, **cache_options(
@@ -446,11 +487,16 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     demand = K.Demand(target, tokens_cap * concurrent_batches(hw, layout, traits),
                       state_pages(traits))
     profile_tokens = tokens_cap if chunked else max(tokens_cap, target)
-    activation = B.activation_bytes(spec, layout, profile_tokens, seqs)
+    activation = B.activation_bytes(spec, layout, profile_tokens, seqs,
+                                    sampler_sorts=not traits.has("sampler_no_sort"),
+                                    moe_all_dp_tokens=True)
     eager = pins.enforce_eager or hw.is_cpu
-    cudagraph = (B.cudagraph_bytes(spec, layout, seqs, tokens_cap, eager)
-                 if traits.cudagraph_in_kv_budget else 0)
-    non_torch = 0 if hw.is_cpu else B.non_torch_bytes(layout)
+    cudagraph = (B.cudagraph_bytes(spec, layout, seqs, tokens_cap, eager,
+                                   full_and_piecewise=traits.has("full_and_piecewise"),
+                                   cap=capture_cap(spec, hw, traits))
+                 if traits.has("cudagraph_estimate") else 0)
+    non_torch = 0 if hw.is_cpu else B.non_torch_bytes(layout,
+                                                       traits.has("nccl_before_snapshot"))
     block_bytes = [pool.bytes_per_block(r if len(stages) > 1 else None) for r in stages]
 
     pinned = pins.kv_cache_memory_bytes
@@ -462,7 +508,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
         avail = [pinned if pinned else min(budget, want)]
         activation = cudagraph = 0
     else:
-        requested = B.requested_bytes(hw.total_bytes, util)
+        requested = B.requested_bytes(hw.budget_total, util)
         overhead = activation + cudagraph + non_torch
         avail = [pinned if pinned else requested - w - overhead for w in weights]
     if len(avail) == 1 and len(stages) > 1:
@@ -551,6 +597,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     traits = version_traits(version)
     reasons: list[str] = []
     warnings: list[str] = list(hw.notes)
+    _version_notes(spec, pins, traits, reasons, warnings)
     if pins.max_model_len and pins.max_model_len > spec.max_context:
         raise InputError(f"--max-model-len {pins.max_model_len:,} exceeds {spec.name}'s context "
                          f"of {spec.max_context:,} tokens (vLLM refuses it without "
@@ -568,7 +615,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     best_by_dtype: dict[str, list[Candidate]] = {}
     for dtype in dtypes:
         cands = [evaluate(spec, hw, L, dtype, util, traits, pins, chunked)
-                 for L in layouts(spec, hw, pins)]
+                 for L in layouts(spec, hw, pins, traits)]
         if not cands:
             raise InputError(f"no parallel layout of {spec.name} matches {hw.describe()} with "
                              "the pinned --tp/--pp/--dp")

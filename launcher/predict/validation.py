@@ -75,7 +75,8 @@ def predict_row(row: dict[str, str], shared: Path) -> list[RowResult]:
     total = int(total_gib * GiB) if total_gib else kind.total_bytes
     tp, pp = int(_num(row["tp"]) or 1), int(_num(row["pp"]) or 1)
     hw = Hardware(kind=kind, nodes=1, gpus_per_node=tp * pp, total_bytes=total,
-                  free_bytes=total, source="validation")
+                  free_bytes=total, source="validation",
+                  cuda_total_bytes=total if total_gib else None)  # the log's own (CUDA) total
     version = version_of(row["vllm_version"])
     traits = version_traits(version)
     engine = "v0" if "V0" in row["engine"] else "v1"

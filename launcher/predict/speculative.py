@@ -425,7 +425,8 @@ def decide(plan: Any, pins: Any, concurrency: int | None = None) -> Decision:
             d.reason = f"MTP off: {numbers}; under the {margin:.0%} margin ({what})"
             return d
         d.reason = (f"MTP on ({'pinned by you' if pinned_on else f'objective {objective}'}): "
-                    f"{numbers}")
+                    f"{numbers}; model only: no published vLLM MTP measurement checks this "
+                    "speed-up and the acceptance is a default (vlaunch tune measures both)")
     elif not pinned_on:
         d.reason = ("MTP off: no performance prediction on this hardware to show a gain; "
                     "pin --mtp to use it")

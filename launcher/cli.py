@@ -239,7 +239,7 @@ def _warn_format_named(output: str) -> None:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    from .run.emit import atomic_write
+    from .paths import atomic_write
 
     atomic_write(path, text if text.endswith("\n") else text + "\n")
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,6 @@ def update_json_object(path: Path, change: Callable[[dict[str, Any]], None]) -> 
     import fcntl
     import json
 
-    from .run.emit import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.name}.lock"), "a") as lock:
@@ -94,3 +95,26 @@ def update_json_object(path: Path, change: Callable[[dict[str, Any]], None]) -> 
         data = read_json_object(path)
         change(data)
         return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
+    """Write `text` to `path` so that readers see the old file or the new one, never a mix.
+
+    The temp file lives in the same folder because `os.replace` is only atomic within one
+    filesystem. It is fsynced before the rename so a node crash cannot leave an empty file
+    under the final name.
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target

@@ -14,17 +14,16 @@ and never sees half a file, even if the planner is killed mid-write.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shlex
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..paths import atomic_write
 
 PLAN_FILE = "plan.json"
 ARGS_FILE = "vllm-args"
@@ -41,29 +40,6 @@ _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Start-up time the Kubernetes manifests allow beyond vLLM's own attempts: `vlaunch exec`
 # re-planning, the exporter coming up, and the kubelet's probe period.
 STARTUP_MARGIN_S = 300
-
-
-def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
-    """Write `text` to `path` so that readers see the old file or the new one, never a mix.
-
-    The temp file lives in the same folder because `os.replace` is only atomic within one
-    filesystem. It is fsynced before the rename so a node crash cannot leave an empty file
-    under the final name.
-    """
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return target
 
 
 def _args_text(plan: dict) -> str:

@@ -376,7 +376,8 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
                                 startup_timeout=deadline, grace_period=stop_timeout)
             _refuse_busy_port(runner)
             if metrics_port is not None and exporter is None:
-                exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out)
+                exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out,
+                                           deadline)
             elif exporter is not None:
                 exporter.plan = d
                 exporter.record_restart()
@@ -626,10 +627,12 @@ def _drop_flag(args: list[str], name: str) -> list[str]:
 
 
 def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,
-                    out: Callable[[str], None]):
+                    out: Callable[[str], None], startup_timeout: float | None = None):
+    """The exporter beside a start: its "starting" phase lasts as long as this attempt may
+    (a user's longer --startup-timeout must not end it early and fire VlaunchEngineDown)."""
     from ..observe.exporter import Exporter
 
-    exp = Exporter(vllm_url=base_url, plan=plan)
+    exp = Exporter(vllm_url=base_url, plan=plan, startup_timeout_s=startup_timeout)
     try:
         bound = exp.start(port=port, bind=bind)
     except Exception as e:  # a busy port must not take the engine down

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..paths import cache_dir
+from .tinymodel import write_model_dir
 
 GENERATOR_VERSION = 1
 STAMP_FILE = ".vlaunch-tinyhybrid.json"
@@ -118,22 +117,7 @@ def ensure_tiny_hybrid(kind: str, path: str | os.PathLike[str] | None = None) ->
     if kind not in CONFIGS:
         raise ValueError(f"unknown hybrid kind {kind!r}: one of {', '.join(CONFIGS)}")
     target = Path(path).expanduser().resolve() if path is not None else default_path(kind)
-    if _current(target, kind):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _write(tmp, kind)
-        if _current(target, kind):
-            return target
-        tmp.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_model_dir(target, lambda out: _write(out, kind), lambda p: _current(p, kind))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -278,13 +279,21 @@ def ensure_tiny_model(path: str | os.PathLike[str] | None = None, mtp: bool = Fa
     """
     target = Path(path) if path is not None else default_path(mtp)
     target = target.expanduser().resolve()
-    if is_current(target, mtp):
+    return write_model_dir(target, lambda out: _write_all(out, 1 if mtp else 0),
+                           lambda p: is_current(p, mtp))
+
+
+def write_model_dir(target: Path, write: Callable[[Path], object],
+                    current: Callable[[Path], bool]) -> Path:
+    """Write a generated model folder atomically: into a temporary sibling, then renamed into
+    place, so a crash or a concurrent caller never leaves a half-written model behind."""
+    if current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _write_all(tmp, 1 if mtp else 0)
-        if is_current(target, mtp):  # another process won the race
+        write(tmp)
+        if current(target):  # another process won the race
             return target
         # mkdtemp makes the folder private and safetensors may too; a model is shared data.
         tmp.chmod(0o755)

@@ -101,7 +101,9 @@ def test_kv_shortage_is_diagnosed_and_the_printed_fix_starts(tiny_model: Path, t
                  "--no-metrics", "--log-dir", str(logs), "--", "--max-model-len", "4096",
                  timeout=600)
     assert r.returncode != 0, r.stdout
-    log = logs / "vllm-attempt1.log"
+    found = sorted(logs.glob("vllm-*-attempt1.log"))  # one file per run and attempt
+    assert len(found) == 1, sorted(logs.iterdir())
+    log = found[0]
 
     d = _doctor(log, "--plan", str(plan_dir / "plan.json"))
     assert (d["cause"], d["phase"], d["consumer"]) == ("kv_cache_too_small", "kv_cache",

@@ -174,7 +174,7 @@ def test_tune_on_the_cpu_engine(tiny_model: Path, tmp_path: Path):
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    ours = pids | _vllm_pids(tmp_path, "vllm-attempt*.log")
+    ours = pids | _vllm_pids(tmp_path, "vllm-*attempt*.log")
     others = foreign.others(ours)
     if problems and others:
         pytest.skip(f"knee check not comparable: other vLLM engines {sorted(others)} shared "

@@ -19,7 +19,7 @@ cause. Nothing matched: one `unknown` diagnosis with the lines that look like th
 no fix. Fixes are exact vLLM flags: from the log's own numbers (`log_fix`), or re-planned by
 the planner with what the log measured (`plan_fix`) when a plan or model + GPUs are known.
 
-A folder's logs are read oldest first as one stream (serve's vllm-attemptN.log), so the last
+A folder's logs are read oldest first as one stream (serve's vllm-RUN-attemptN.log), so the last
 launch is the one diagnosed; logs of different nodes of one deployment are not merged.
 
 `launcher.run.vllmlog.classify_failure` (what `serve` and `tune` retry on) delegates here.

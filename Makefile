@@ -32,14 +32,20 @@ prometheus:
 	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 
 lint: venv
-	$(BIN)/ruff check launcher tests
+	$(BIN)/ruff check launcher tests bench
 
 unit: venv
 	$(BIN)/pytest -q -m "not engine and not prometheus"
 
+# The fast tests run beside the engine tests (they finish while the first vLLM starts; the
+# timing-sensitive tune test runs last, alone); their report is printed after the engine's.
 test: venv engine prometheus
-	$(BIN)/ruff check launcher tests
-	$(BIN)/pytest -q -rs
+	$(BIN)/ruff check launcher tests bench
+	@mkdir -p .cache; \
+	$(BIN)/pytest -q -rs -m "not engine" -p no:cacheprovider > .cache/fast-tests.log 2>&1 & fast=$$!; \
+	$(BIN)/pytest -q -rs -m engine -p no:cacheprovider; engine=$$?; \
+	wait $$fast; fast_rc=$$?; echo "== fast tests (unit, fake engine, promtool)"; \
+	cat .cache/fast-tests.log; exit $$(( engine != 0 || fast_rc != 0 ))
 
 bench: venv
 	@for b in bench/*_bench.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -3,7 +3,8 @@ equal the plan's, exactly, for the three hybrid kinds (launcher/run/tinyhybrid.p
 
 Each case pins the KV bytes (as CPU plans do) and a small max-num-batched-tokens, so the
 sliding window, not the in-flight tokens, bounds what a windowed layer holds. vLLM is started
-with the plan's own arguments and stopped as soon as it has logged its pool (about 30 s each).
+with the plan's own arguments and stopped as soon as it has logged its pool; the three start
+together.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -63,16 +65,27 @@ def _boot_log(vllm_args: list[str], timeout: float = 300) -> str:
     return "".join(lines)
 
 
-@pytest.mark.parametrize(("kind", "kv", "length"), CASES, ids=[c[0] for c in CASES])
-def test_planned_pool_equals_vllm(kind: str, kv: int, length: int) -> None:
+@pytest.fixture(scope="module")
+def boots() -> dict[str, tuple[dict, str]]:
+    """Each case's plan and vLLM's boot log. The three starts run at once: a start is mostly
+    single-threaded imports and model set-up, so together they take little more than one."""
     pytest.importorskip("transformers", reason="generating the hybrid models needs transformers")
     from launcher.run.tinyhybrid import ensure_tiny_hybrid
 
-    plan = _plan(str(ensure_tiny_hybrid(kind)), kv, length)
+    plans = {kind: _plan(str(ensure_tiny_hybrid(kind)), kv, length)
+             for kind, kv, length in CASES}
+    with ThreadPoolExecutor(len(plans)) as pool:
+        logs = dict(zip(plans, pool.map(lambda d: _boot_log(d["vllm_args"]), plans.values()),
+                        strict=True))
+    return {kind: (plans[kind], logs[kind]) for kind in plans}
+
+
+@pytest.mark.parametrize("kind", [c[0] for c in CASES])
+def test_planned_pool_equals_vllm(kind: str, boots: dict[str, tuple[dict, str]]) -> None:
+    plan, log = boots[kind]
     assert plan["fits"], plan.get("problem")
     kinds = plan["kv_cache"]["layer_kinds"]
     assert len(kinds) == 2 or kind == "sliding", kinds
-    log = _boot_log(plan["vllm_args"])
     got = parse_allocation(log)
     assert got.kv_cache_tokens is not None, log[-3000:]
     assert got.concurrency_tokens_per_request == plan["max_model_len"]

@@ -344,3 +344,22 @@ def test_capacity_options_carry_the_serving_features():
     assert s is not None and "mtp" in s and "all2all_backend" in s
     if s["mtp"]:
         assert "--speculative-config" in s["vllm_args"] and s["mtp_reason"].startswith("MTP on")
+
+
+def test_measured_acceptance_feeds_the_next_plan(tmp_path, monkeypatch):
+    # What `vlaunch tune` measured for a model replaces the default acceptance in its next
+    # plans: first 0.70, later 0.50 -> 1 + 0.70 x (1 + 0.5 + 0.25) = 2.225 tokens at k = 3.
+    monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
+    assert S.acceptance(model="deepseek-r1").first == 0.85  # the table's default
+    S.record_acceptance("deepseek-r1", {"first": 0.70, "later": 0.50, "acceptance_length": 2.2})
+    acc = S.acceptance(model="deepseek-r1")
+    assert (acc.first, acc.later) == (0.70, 0.50) and "measured by vlaunch tune" in acc.source
+    assert acc.tokens_per_step(3) == pytest.approx(2.225)
+    assert S.acceptance(0.9, model="deepseek-r1").first == 0.9  # a pin still wins
+    plan = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"),
+                     Pins(num_speculative_tokens=3), objective="latency")
+    sp = plan.to_dict()["serving"]["speculative"]
+    assert sp["acceptance"]["first"] == 0.70 and sp["tokens_per_step"] == pytest.approx(2.225)
+    # a corrupt record is ignored, never trusted
+    (tmp_path / "mtp_acceptance.json").write_text('{"deepseek-r1": {"first": "high"}}')
+    assert S.acceptance(model="deepseek-r1").first == 0.85

@@ -39,12 +39,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
 from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec
+from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
 from . import budget as B
 from . import perf
 from .rebudget import rebudget
@@ -79,7 +82,8 @@ class Acceptance:
         return 1.0 + self.first * chain
 
 
-def acceptance(pinned: float | None = None) -> Acceptance:
+def acceptance(pinned: float | None = None, model: str | None = None) -> Acceptance:
+    """A pin wins; then what `vlaunch tune` measured for this model; then the table's default."""
     t = mtp_table()["acceptance"]
     first, later = float(t["first"]), float(t["later"])
     if pinned is not None:
@@ -87,7 +91,45 @@ def acceptance(pinned: float | None = None) -> Acceptance:
             raise InputError(f"--mtp-acceptance must be a probability between 0 and 1, "
                              f"got {pinned}")
         return Acceptance(pinned, min(later, pinned), "your --mtp-acceptance")
+    seen = measured_for(model) if model else None
+    if seen is not None:
+        return Acceptance(seen["first"], seen.get("later", min(later, seen["first"])),
+                          f"measured by vlaunch tune ({seen.get('recorded_at', '?')}, "
+                          f"acceptance length {seen.get('acceptance_length', 0):.2f})")
     return Acceptance(first, later, f"{t['first_source']}; later drafts: {t['later_source']}")
+
+
+def _acceptance_store() -> Path:
+    return cache_dir() / "mtp_acceptance.json"
+
+
+def record_acceptance(model: str, measured: dict[str, float]) -> Path | None:
+    """Keep what vLLM's benchmark measured for a model's MTP draft, for its next plans: the
+    acceptance belongs to the model and its workload, not to the GPU or layout."""
+    if not (0 < float(measured.get("first", 0)) <= 1):
+        return None
+    entry = {k: float(v) for k, v in measured.items() if k in ("first", "later",
+                                                              "acceptance_length")}
+    entry["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    def add(data: dict[str, Any]) -> None:
+        data[model] = entry
+
+    return update_json_object(_acceptance_store(), add)
+
+
+def measured_for(model: str) -> dict[str, Any] | None:
+    """The recorded acceptance of `model`, if a well-formed one exists (a corrupt cache is
+    reported and ignored)."""
+    entry = read_json_object(_acceptance_store()).get(model)
+    ok = (isinstance(entry, dict)
+          and all(isinstance(entry.get(f), (int, float)) and not isinstance(entry.get(f), bool)
+                  and 0 < entry[f] <= 1 for f in ("first",))
+          and all(isinstance(entry.get(f, 0.5), (int, float)) and 0 <= entry.get(f, 0.5) <= 1
+                  for f in ("later",)))
+    if entry is not None and not ok:
+        report_corrupt(_acceptance_store(), f"entry {model!r} is not an acceptance record")
+    return entry if ok else None
 
 
 def support(spec: ModelSpec, hw: Hardware, version: str) -> tuple[bool, str, str]:
@@ -371,7 +413,7 @@ def decide(plan: Any, pins: Any, concurrency: int | None = None) -> Decision:
     if not c.fits:
         d.reason = "MTP off: the plan does not fit without it"
         return d
-    acc = acceptance(getattr(pins, "mtp_acceptance", None))
+    acc = acceptance(getattr(pins, "mtp_acceptance", None), spec.name)
     d.acceptance = acc
     ks = [k_pin] if k_pin else [int(x) for x in mtp_table()["candidates"]]
     a_off = plan.performance

@@ -55,7 +55,7 @@ from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins, make_plan
-from ..predict.speculative import measured_acceptance
+from ..predict.speculative import measured_acceptance, record_acceptance
 from .emit import atomic_write, emit_plan
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
 from .runner import VllmRunner, arg_value
@@ -986,8 +986,9 @@ class Tuner:
             point = flat_point(s, o.slo, o.threshold, repeat)
             rec["results"].append(point)
             acc = measured_acceptance(point.get("raw") or {})
-            if acc:  # MTP trials: what vLLM's benchmark measured (predict.speculative)
+            if acc:  # MTP trials: what vLLM's benchmark measured, kept for the next plans
                 rec["mtp_acceptance"] = acc
+                record_acceptance(self.spec.name, acc)
             self.save()
             return point
 

@@ -106,6 +106,17 @@ def vllm_page(usage: list[float], *, size_tokens: list[int | None] | None = None
     return text
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A fake upstream whose client (the exporter) gives up on purpose in the deadline tests:
+    the broken pipe that follows is expected, and printing its traceback from a server thread
+    would land in whatever test captures stderr next."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass
+
+
 @dataclass
 class FakeVllm:
     """A local HTTP server standing in for vLLM's API server; `mode` picks its behaviour."""
@@ -154,7 +165,7 @@ class FakeVllm:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = _QuietServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self

@@ -47,6 +47,25 @@ def test_pinned_kv_bytes_need_the_flag():
     with pytest.raises(InputError, match="kv-cache-memory-bytes"):
         make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
                   Pins(vllm_version="0.10.1", kv_cache_memory_bytes=10 << 30))
+    with pytest.raises(InputError, match="kv-cache-memory-bytes"):
+        make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
+                  Pins(vllm_version="0.10.1", pin_kv_memory=True))
+
+
+def test_old_versions_get_no_flag_or_env_they_lack():
+    # the startup-plan env exists since 0.26.0; a CPU plan pins KV bytes only where vLLM has
+    # --kv-cache-memory-bytes (0.10.2)
+    h100 = parse_gpus("1xH100")
+    spec = load_model("llama-3.1-8b")
+    assert "VLLM_ENABLE_STARTUP_PLAN" in make_plan(spec, h100, Pins(vllm_version="0.32.0")).env()
+    assert "VLLM_ENABLE_STARTUP_PLAN" not in make_plan(spec, h100,
+                                                       Pins(vllm_version="0.25.0")).env()
+    tiny = load_model("r1-distill-qwen-1.5b")
+    cpu = parse_gpus("cpu")
+    new = make_plan(tiny, cpu, Pins(vllm_version="0.32.0"), suggest=False)
+    old = make_plan(tiny, cpu, Pins(vllm_version="0.9.0"), suggest=False)
+    assert "--kv-cache-memory-bytes" in new.vllm_args()
+    assert "--kv-cache-memory-bytes" not in old.vllm_args()
 
 
 def test_fp8_mla_cache_is_gated():

@@ -214,8 +214,8 @@ class Plan:
         # Big checkpoints load for many minutes; vLLM's engine-ready wait defaults to 600 s.
         load_s = max(600, int(B.weights_bytes(self.model) / (200 * MiB)))
         env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(load_s)}
-        if not self.hardware.is_cpu:
-            # vLLM 0.32 records its measured KV memory per model/hardware fingerprint and
+        if not self.hardware.is_cpu and version_traits(self.vllm_version).has("startup_plan"):
+            # vLLM (0.26+) records its measured KV memory per model/hardware fingerprint and
             # reuses it on the next boot (the CPU worker does not implement it).
             env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
             root = os.environ.get("VLLM_CACHE_ROOT") or (
@@ -332,7 +332,8 @@ def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: 
         why = gate_reason("mla_attention", traits.version)
         raise InputError(f"{spec.name} uses MLA attention: {why}; plan for a newer "
                          "--vllm-version")
-    if pins.kv_cache_memory_bytes and not traits.has("kv_cache_memory_bytes"):
+    if (pins.kv_cache_memory_bytes or pins.pin_kv_memory) \
+            and not traits.has("kv_cache_memory_bytes"):
         raise InputError(f"{gate_reason('kv_cache_memory_bytes', traits.version)}: drop the "
                          "pinned KV size or plan for a newer --vllm-version")
 
@@ -630,7 +631,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     best = cands[0]
     best = _tune_batch(spec, hw, best, assessed, traits, pins, chunked, util, workload, slo,
                        objective, concurrency, reasons)
-    pinned = hw.is_cpu or bool(pins.kv_cache_memory_bytes) or (pins.pin_kv_memory and best.fits)
+    pinned = ((hw.is_cpu and traits.has("kv_cache_memory_bytes"))
+              or bool(pins.kv_cache_memory_bytes) or (pins.pin_kv_memory and best.fits))
     plan = Plan(spec, hw, best, version, chunked, pinned, reasons, warnings,
                 alternatives=cands[1:6], enforce_eager=pins.enforce_eager,
                 performance=assessed.get(id(best)), assessments=assessed, objective=objective,

@@ -109,6 +109,13 @@ def assess(spec: ModelSpec, hw: Hardware, cand: Any, traits: Any, chunked: bool,
                               constants, gemm_scale(spec, traits))
     if shape is None:
         return None
+    return assessment_for(shape, workload, slo, concurrency, source, notes, cand)
+
+
+def assessment_for(shape: perf.EngineShape, workload: Workload, slo: SLO,
+                   concurrency: int | None, source: str, notes: list[str],
+                   cand: Any) -> Assessment:
+    """The knee, the operating point, the curve and the binding limit of one engine shape."""
     knee = perf.knee(shape, workload, slo)
     at = perf.point(shape, workload, concurrency) if concurrency else (
         knee or perf.point(shape, workload, 1))

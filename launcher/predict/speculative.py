@@ -331,15 +331,10 @@ def speculative_shape(spec: ModelSpec, shape: perf.EngineShape, layout: B.Layout
 def reassess(a: Any, shape: perf.EngineShape, workload: Any, slo: Any,
              concurrency: int | None) -> Any:
     """perfplan.assess's prediction for a changed engine shape (same candidate)."""
-    from .perfplan import Assessment
+    from .perfplan import assessment_for
 
-    knee = perf.knee(shape, workload, slo)
-    at = perf.point(shape, workload, concurrency) if concurrency else (
-        knee or perf.point(shape, workload, 1))
-    extra = tuple(x for x in (knee.concurrency if knee else None, concurrency) if x)
-    return Assessment(shape, knee, at, perf.curve(shape, workload, extra),
-                      perf.binding(shape, workload, knee, slo), perf.point(shape, workload, 1),
-                      a.source, list(a.notes), a.candidate)
+    return assessment_for(shape, workload, slo, concurrency, a.source, list(a.notes),
+                          a.candidate)
 
 
 # ----------------------------------------------------------------------------- decision

@@ -3,12 +3,10 @@ version, packages the image lacks, memory, and what the multi-node manifests car
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
+from test_kubernetes import _kustomize
 
 from launcher.errors import InputError
 from launcher.inputs.hardware import GiB, MiB, parse_gpus
@@ -122,14 +120,6 @@ def test_high_throughput_gives_back_the_cuda_graph_memory(with_deepep):
                   workload=RAG).to_dict()
     assert d["serving"]["ep_backend"]["backend"] == "deepep_high_throughput"
     assert d["per_gpu"]["cudagraph_bytes"] == 0
-
-
-def _kustomize(path: Path) -> list[dict]:
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl (with kustomize) is not installed")
-    proc = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
 def test_deepep_overlay_carries_rdma_ipc_lock_and_shared_memory():

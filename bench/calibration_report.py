@@ -24,7 +24,9 @@ def main(path: str) -> int:
         print(f"== calibration {key}: median |error| of output tok/s "
               f"{entry['median_error']:.1%} fitted, "
               f"{entry.get('median_error_uncalibrated', float('nan')):.1%} uncalibrated, "
-              f"on {len(entry.get('points', []))} points")
+              f"on {len(entry.get('points', []))} points; the fit's RMS log error "
+              f"{entry.get('fit_loss', float('nan')):.3f} against "
+              f"{entry.get('fit_loss_uncalibrated', float('nan')):.3f} unfitted")
     return 0
 
 

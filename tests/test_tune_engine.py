@@ -102,12 +102,12 @@ def test_tune_on_the_cpu_engine(tiny_model: Path, tmp_path: Path):
     ok = [t for t in doc["trials"] if t["status"] == "ok"]
     assert all(t.get("calibration", "").endswith("calibration.json") for t in ok), ok
     assert any(e.get("points") for e in calibration.values())
-    # the fit is no worse than no fit on the points it was fitted to (its accuracy on this noisy
-    # machine is printed by `make tune-demo`, not asserted)
-    fitted = [e for e in calibration.values() if e.get("points") and "median_error" in e]
+    # the fit is no worse than no fit on the points it was fitted to, by its own objective (its
+    # accuracy on this noisy machine is printed by `make tune-demo`, not asserted)
+    fitted = [e for e in calibration.values() if e.get("points") and "fit_loss" in e]
     assert fitted, calibration
     for e in fitted:
-        assert e["median_error"] <= e["median_error_uncalibrated"] + 1e-9, e
+        assert e["fit_loss"] <= e["fit_loss_uncalibrated"] + 1e-9, e
 
     # plan.json as it is starts an engine that serves the recommended load without a failure
     knee = rec["concurrency"]

@@ -69,8 +69,9 @@ QWEN3_5 = dict(
 # transformers' defaults point past 100 for some of them).
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 PHI3 = dict(TEXT, **IDS, model_type="phi3", tie_word_embeddings=False)
-GRANITE = dict(TEXT, **IDS, model_type="granite", tie_word_embeddings=True, embedding_multiplier=12.0,
-               residual_multiplier=0.22, attention_multiplier=0.0078, logits_scaling=8.0)
+GRANITE = dict(TEXT, **IDS, model_type="granite", tie_word_embeddings=True,
+               embedding_multiplier=12.0, residual_multiplier=0.22,
+               attention_multiplier=0.0078, logits_scaling=8.0)
 OLMO2 = dict(TEXT, **IDS, model_type="olmo2", tie_word_embeddings=False)
 COHERE = dict(TEXT, **IDS, model_type="cohere", use_qk_norm=True, layer_norm_eps=1e-5)
 COHERE2 = dict(TEXT, **IDS, model_type="cohere2", sliding_window=8, sliding_window_pattern=2,

@@ -58,8 +58,8 @@ def safetensors_file(tensors: dict[str, tuple[str, list[int]]]) -> bytes:
 
 def random_tensors(rng: random.Random, count: int,
                    prefix: str = "t") -> dict[str, tuple[str, list[int]]]:
-    return {f"{prefix}{i}": (rng.choice(sorted(DTYPE_BYTES)), [rng.randint(1, 40), rng.randint(1, 40)])
-            for i in range(count)}
+    return {f"{prefix}{i}": (rng.choice(sorted(DTYPE_BYTES)),
+                             [rng.randint(1, 40), rng.randint(1, 40)]) for i in range(count)}
 
 
 def counts(tensors: dict[str, tuple[str, list[int]]]) -> dict[str, int]:

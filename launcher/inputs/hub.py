@@ -300,7 +300,9 @@ def _at(revision: str | None) -> str:
 
 def _fetch(repo_id: str, revision: str | None) -> HubModel:
     from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.utils import disable_progress_bars
 
+    disable_progress_bars()  # a plan prints the plan; shard-header bars would interleave
     token = os.environ.get("HF_TOKEN") or None
     api = HfApi(endpoint=endpoint(), token=token)
     info = api.model_info(repo_id, revision=revision, timeout=_TIMEOUT_S)

@@ -481,3 +481,23 @@ def test_revision_on_a_local_path_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     with pytest.raises(InputError, match="--revision applies to Hugging Face ids"):
         load_model(str(tmp_path), "main")
+
+
+def test_manifests_plan_and_serve_from_one_hf_cache_on_the_model_volume() -> None:
+    """The init container resolves ORG/NAME in the same HF cache vLLM downloads into: HF_HOME
+    is the same path, on the same persistent volume, in both containers."""
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "deploy/kubernetes/base/deployment.yaml").read_text())
+    spec = doc["spec"]["template"]["spec"]
+    claims = {v["name"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    homes = set()
+    for c in spec["initContainers"] + spec["containers"]:
+        if c["name"] not in ("plan", "vllm"):
+            continue
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        home = env["HF_HOME"]
+        mounts = [m for m in c["volumeMounts"] if home.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert mounts and mounts[0]["name"] in claims, c["name"]
+        homes.add((home, mounts[0]["name"]))
+    assert len(homes) == 1

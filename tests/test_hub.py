@@ -501,3 +501,22 @@ def test_manifests_plan_and_serve_from_one_hf_cache_on_the_model_volume() -> Non
         assert mounts and mounts[0]["name"] in claims, c["name"]
         homes.add((home, mounts[0]["name"]))
     assert len(homes) == 1
+
+
+@pytest.mark.parametrize("revision", [None, "main"])
+def test_serve_passes_the_id_and_revision_to_vllm_unchanged(
+        stand_in: StandInHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        revision: str | None) -> None:
+    hf_cache_repo(tmp_path / "hf", "acme/cached", {"config.json": json.dumps(CONFIG).encode()})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["serve", "acme/cached", "--gpus", "1xH100", "--dry-run", "--no-metrics",
+            "--log-dir", str(tmp_path)] + (["--revision", revision] if revision else [])
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    command = r.output.strip().splitlines()[-1].split()
+    assert "acme/cached" in command and not any("snapshots" in a for a in command)
+    if revision:
+        assert command[command.index("--revision") + 1] == revision
+    else:
+        assert "--revision" not in command
+    assert "--served-model-name" not in command

@@ -11,6 +11,7 @@ A second, independent check instantiates the same configs in transformers on the
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -418,3 +419,22 @@ def test_llama4_kinds_and_moe_interleave() -> None:
 def test_cohere2_sliding_pattern() -> None:
     kinds = layer_kinds(dict(COHERE2, num_hidden_layers=8, sliding_window_pattern=4))
     assert [i for i, k in enumerate(kinds) if k == "full"] == [3, 7]
+
+
+@pytest.mark.parametrize(("cfg", "key", "bad"), [
+    (LLAMA4, "text_config.intermediate_size_mlp", 0),
+    (LLAMA4, "text_config.interleave_moe_layer_step", -1),
+    (LLAMA4, "vision_config.projector_input_dim", "40"),
+    (GLM4_MOE, "n_shared_experts", -1),
+])
+def test_new_family_fields_are_checked(cfg: dict[str, Any], key: str, bad: Any) -> None:
+    import copy
+
+    broken = copy.deepcopy(cfg)
+    *path, last = key.split(".")
+    section = broken
+    for p in path:
+        section = section[p]
+    section[last] = bad
+    with pytest.raises(InputError, match=re.escape(key)):
+        _spec(broken)

@@ -475,6 +475,9 @@ class Calibration:
     median_error: float
     prefill_scale: float = 1.0
     request_scale: float = 1.0
+    uncalibrated_error: float = 0.0
+    """The same median |error| of output tokens/s with every scale at 1.0: what the fit
+    improved on (a noisy machine moves both; the fit should never be worse than no fit)."""
 
 
 def scaled(c: Constants, cal: Calibration) -> Constants:
@@ -543,5 +546,9 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
                 value = loss(x)
                 if value < best_loss:
                     best, best_loss = x, value
-    tput = sorted(abs(math.expm1(a)) for a, _, _ in errors(best))
-    return Calibration(best[0], best[1], len(pts), tput[len(tput) // 2], best[2], best[3])
+    def median_tput(x: tuple[float, ...]) -> float:
+        tput = sorted(abs(math.expm1(a)) for a, _, _ in errors(x))
+        return tput[len(tput) // 2]
+
+    return Calibration(best[0], best[1], len(pts), median_tput(best), best[2], best[3],
+                       median_tput((1.0, 1.0, 1.0, 1.0)))

@@ -520,3 +520,13 @@ def test_serve_passes_the_id_and_revision_to_vllm_unchanged(
     else:
         assert "--revision" not in command
     assert "--served-model-name" not in command
+
+
+def test_text_plan_names_the_commit_and_where_it_came_from(stand_in: StandInHub) -> None:
+    commit = stand_in.add("acme/tiny", {"config.json": json.dumps(CONFIG).encode()},
+                          params={"BF16": 5})
+    r = CliRunner().invoke(cli, ["plan", "acme/tiny", "--gpus", "1xH100"])
+    assert r.exit_code == 0, r.output
+    assert f"model acme/tiny at commit {commit[:12]}, from the Hub" in r.output
+    r = CliRunner().invoke(cli, ["plan", "acme/tiny", "--gpus", "1xH100"])
+    assert f"at commit {commit[:12]}, from " in r.output and "from the Hub" not in r.output

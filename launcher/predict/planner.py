@@ -602,6 +602,14 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     reasons: list[str] = []
     warnings: list[str] = list(hw.notes)
     _version_notes(spec, pins, traits, reasons, warnings)
+    if spec.commit:
+        where = {"hf-cache": "the local HF cache", "vlaunch-cache": "vlaunch's cache of the Hub",
+                 "hub": "the Hub"}.get(spec.source, spec.source)
+        reasons.append(f"model {spec.hf_id} at commit {spec.commit[:12]}"
+                       + (f" (revision {spec.revision})" if spec.revision else "")
+                       + f", from {where}"
+                       + (": weights from the safetensors metadata" if spec.params_by_dtype
+                          else ""))
     if spec.estimate == "generic":
         warnings.append(f"{spec.name}: model_type '{spec.architecture}' is not in vlaunch's "
                         "tables; shapes are a generic decoder estimate from config.json"

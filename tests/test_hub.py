@@ -530,3 +530,17 @@ def test_text_plan_names_the_commit_and_where_it_came_from(stand_in: StandInHub)
     assert f"model acme/tiny at commit {commit[:12]}, from the Hub" in r.output
     r = CliRunner().invoke(cli, ["plan", "acme/tiny", "--gpus", "1xH100"])
     assert f"at commit {commit[:12]}, from " in r.output and "from the Hub" not in r.output
+
+
+def test_local_folder_counts_come_from_its_safetensors_headers(tmp_path: Path) -> None:
+    rng = random.Random(11)
+    a, b = random_tensors(rng, 3, "a"), random_tensors(rng, 4, "b")
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    index = {"metadata": {"total_size": 10}, "weight_map": {
+        **{k: "s1.safetensors" for k in a}, **{k: "s2.safetensors" for k in b}}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "s1.safetensors").write_bytes(safetensors_file(a))
+    assert load_model(str(tmp_path)).params_by_dtype == ()  # a shard is missing
+    (tmp_path / "s2.safetensors").write_bytes(safetensors_file(b))
+    spec = load_model(str(tmp_path))
+    assert dict(spec.params_by_dtype) == counts({**a, **b}) and spec.source == "local"

@@ -259,10 +259,32 @@ def _load_dir(path: Path) -> ModelSpec:
     elif (folder / "model.safetensors").is_file():
         total = _safetensors_payload(folder / "model.safetensors")
     return spec_from_config(cfg, name=folder.name, hf_id=str(folder.resolve()),
-                            checkpoint_bytes=total, path=str(folder.resolve()))
+                            checkpoint_bytes=total, path=str(folder.resolve()),
+                            params_by_dtype=_header_counts(folder))
 
 
 _MAX_CONFIG_BYTES = 16 << 20
+
+
+def _header_counts(folder: Path) -> tuple[tuple[str, int], ...]:
+    """Exact elements per dtype from the safetensors headers of a local checkpoint, when every
+    file is there (a folder holding only config.json has none)."""
+    from .hub import safetensors_header_counts
+
+    files = [folder / "model.safetensors"]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text(encoding="utf-8"))  # _index_total checked it
+        wmap = data.get("weight_map")
+        files = [folder / str(f) for f in sorted(set(wmap.values()))] \
+            if isinstance(wmap, dict) and wmap else []
+    if not files or not all(f.is_file() for f in files):
+        return ()
+    total: dict[str, int] = {}
+    for f in files:
+        for dtype, n in safetensors_header_counts(f).items():
+            total[dtype] = total.get(dtype, 0) + n
+    return tuple(sorted(total.items()))
 
 
 def _index_total(index: Path) -> int | None:

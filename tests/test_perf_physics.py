@@ -327,7 +327,7 @@ def _round_trip(s: perf.EngineShape) -> None:
                     "output_tokens_per_s": p.output_tokens_per_s, "tpot_ms": p.tpot_ms,
                     "ttft_ms": p.ttft_ms})
     cal = perf.calibrate(s, pts)
-    assert cal is not None and cal.median_error <= cal.median_error_uncalibrated
+    assert cal is not None and cal.loss <= cal.loss_uncalibrated
     fitted = dataclasses.replace(s, constants=perf.scaled(s.constants, cal))
     for m in pts:
         p = perf.point(fitted, Workload(2048, 256, synchronized=True), m["concurrency"])

@@ -294,7 +294,13 @@ class Calibration:
     median_error: float
     prefill_scale: float = 1.0
     request_scale: float = 1.0
-    median_error_uncalibrated: float = 0.0
+    uncalibrated_error: float = 0.0
+    """The same median |error| of output tokens/s with every scale at 1.0 (reported beside it;
+    the fit minimises `loss`, so this one figure may move either way)."""
+    loss: float = 0.0
+    """The fit's objective at the fitted scales: weighted RMS of the log errors."""
+    loss_uncalibrated: float = 0.0
+    """The same objective with every scale at 1.0: the fit may never be worse than no fit."""
 
 
 FIXED_FIELDS = ("layer_us", "moe_layer_us", "allreduce_us", "nccl_us", "network_us", "step_us",
@@ -381,8 +387,12 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
         tput = sorted(abs(math.expm1(a)) for a, _, _ in errors(x))
         return tput[len(tput) // 2]
 
+    def rms(x: tuple[float, ...]) -> float:
+        return math.sqrt(loss(x) / (3.5 * len(pts)))
+
+    unit = (1.0, 1.0, 1.0, 1.0)
     return Calibration(best[0], best[1], len(pts), median_tput(best), best[2], best[3],
-                       median_tput((1.0, 1.0, 1.0, 1.0)))
+                       median_tput(unit), rms(best), rms(unit))
 
 
 def _with(s: EngineShape, k: Constants) -> EngineShape:

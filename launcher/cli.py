@@ -517,14 +517,19 @@ def goals_from_plan(d: dict) -> dict | None:
 @click.option("--rungs", type=click.IntRange(1, 5), help="Successive-halving rungs (default: "
               "a third of the starts go to promotions).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Benchmark prompt seed.")
+@click.option("--dataset", "dataset", type=click.Path(),
+              help="Your prompts, to measure MTP acceptance on: JSON Lines, one "
+                   "{\"prompt\": \"...\"} per line (vLLM's custom dataset format; other "
+                   "fields ignored). Default: vlaunch's own natural prompts. The knee is "
+                   "measured on random prompts either way.")
 @click.option("--startup-timeout", type=float, help="Seconds before a start-up is a hang.")
 @click.option("--plot", is_flag=True, help="Also draw tune.png (needs matplotlib).")
 @format_option("json: tune.json on stdout (progress stays on stderr).")
 @click.option("-v", "--verbose", is_flag=True, help="Show each trial's vLLM command.")
 def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_dir: str,
              resume: bool, candidates: tuple[str, ...], max_concurrency: int | None,
-             rungs: int | None, seed: int, startup_timeout: float | None, plot: bool, fmt: str,
-             verbose: bool, **kw) -> None:
+             rungs: int | None, seed: int, dataset: str | None, startup_timeout: float | None,
+             plot: bool, fmt: str, verbose: bool, **kw) -> None:
     """Measure candidate configurations of MODEL on the real engine under an SLO.
 
     Starts vLLM on the planner's best candidates and on vLLM's defaults, finds each one's SLO
@@ -536,6 +541,7 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
     from pathlib import Path
 
     from .inputs.model import load_model
+    from .inputs.prompts import load_prompts
     from .run import tune
 
     budget_s = tune.parse_budget(budget)
@@ -544,6 +550,7 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
     if max_concurrency is not None and max_concurrency < 1:
         raise InputError(f"--max-concurrency must be at least 1, got {max_concurrency}")
     user = [tune.parse_candidate(c) for c in candidates]
+    prompts = load_prompts(dataset) if dataset is not None else None
     goals = split_goals(kw)
     spec = load_model(model)
     hw = _hardware(gpus)
@@ -553,7 +560,8 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
                             objective=goals["objective"] or "balanced", budget_s=budget_s,
                             max_starts=max_starts, output=Path(out), resume=resume, seed=seed,
                             max_concurrency=max_concurrency, rungs=rungs, user_candidates=user,
-                            startup_timeout=startup_timeout, plot=plot, verbose=verbose)
+                            startup_timeout=startup_timeout, plot=plot, verbose=verbose,
+                            prompts=prompts)
     say = (lambda s: None) if fmt == "json" else click.echo  # noqa: E731
     status, doc = tune.tune(spec, hw, pins, opts, out=say,
                             log=lambda s: click.echo(s, err=True))

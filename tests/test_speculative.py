@@ -355,9 +355,15 @@ def test_measured_acceptance_feeds_the_next_plan(tmp_path, monkeypatch):
     # plans: first 0.70, later 0.50 -> 1 + 0.70 x (1 + 0.5 + 0.25) = 2.225 tokens at k = 3.
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     assert S.acceptance(model="deepseek-r1").first == 0.81  # the table's default
-    S.record_acceptance("deepseek-r1", {"first": 0.70, "later": 0.50, "acceptance_length": 2.2})
+    # a record of an earlier vlaunch (no source: measured on random-token prompts) is ignored
+    (tmp_path / "mtp_acceptance.json").write_text('{"deepseek-r1": {"first": 0.95}}')
+    assert S.acceptance(model="deepseek-r1").first == 0.81
+    assert S.record_acceptance("deepseek-r1", {"first": 0.70}, source="") is None
+    S.record_acceptance("deepseek-r1", {"first": 0.70, "later": 0.50, "acceptance_length": 2.2},
+                        source="your --dataset chat.jsonl (40 prompts)")
     acc = S.acceptance(model="deepseek-r1")
     assert (acc.first, acc.later) == (0.70, 0.50) and "measured by vlaunch tune" in acc.source
+    assert "your --dataset chat.jsonl" in acc.source
     assert acc.tokens_per_step(3) == pytest.approx(2.225)
     assert S.acceptance(0.9, model="deepseek-r1").first == 0.9  # a pin still wins
     plan = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"),

@@ -79,7 +79,8 @@ def acceptance(pinned: float | None = None, model: str | None = None) -> Accepta
     seen = measured_for(model) if model else None
     if seen is not None:
         return Acceptance(seen["first"], seen.get("later", min(later, seen["first"])),
-                          f"measured by vlaunch tune ({seen.get('recorded_at', '?')}, "
+                          f"measured by vlaunch tune on {seen['source']} "
+                          f"({seen.get('recorded_at', '?')}, "
                           f"acceptance length {seen.get('acceptance_length', 0):.2f})")
     return Acceptance(first, later, f"{t['first_source']}; later drafts: {t['later_source']}")
 
@@ -88,13 +89,15 @@ def _acceptance_store() -> Path:
     return cache_dir() / "mtp_acceptance.json"
 
 
-def record_acceptance(model: str, measured: dict[str, float]) -> Path | None:
+def record_acceptance(model: str, measured: dict[str, Any], *, source: str) -> Path | None:
     """Keep what vLLM's benchmark measured for a model's MTP draft, for its next plans: the
-    acceptance belongs to the model and its workload, not to the GPU or layout."""
-    if not (0 < float(measured.get("first", 0)) <= 1):
+    acceptance belongs to the model and its workload, not to the GPU or layout. `source`
+    names the prompts it was measured on (natural text; `run/tune_acceptance.py`)."""
+    if not (0 < float(measured.get("first", 0)) <= 1) or not source:
         return None
-    entry = {k: float(v) for k, v in measured.items() if k in ("first", "later",
-                                                              "acceptance_length")}
+    entry: dict[str, Any] = {k: float(v) for k, v in measured.items()
+                             if k in ("first", "later", "acceptance_length")}
+    entry["source"] = source
     entry["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     def add(data: dict[str, Any]) -> None:
@@ -105,8 +108,12 @@ def record_acceptance(model: str, measured: dict[str, float]) -> Path | None:
 
 def measured_for(model: str) -> dict[str, Any] | None:
     """The recorded acceptance of `model`, if a well-formed one exists (a corrupt cache is
-    reported and ignored)."""
+    reported and ignored). A record without a `source` was measured by an earlier vlaunch on
+    random-token prompts, which inflate acceptance: ignored, not trusted."""
     entry = read_json_object(_acceptance_store()).get(model)
+    if isinstance(entry, dict) and not (isinstance(entry.get("source"), str)
+                                        and entry["source"]):
+        return None
     ok = (isinstance(entry, dict)
           and all(isinstance(entry.get(f), (int, float)) and not isinstance(entry.get(f), bool)
                   and 0 < entry[f] <= 1 for f in ("first",))

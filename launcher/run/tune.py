@@ -20,12 +20,16 @@ The planner predicts; this module measures. Why each piece is the way it is:
   the TTFT and the TPOT objective), doubling then bisecting; a point whose verdict would flip
   within +-10% of the SLO is measured again and pooled. Load comes from vLLM's own benchmark
   (`launcher.run.loadgen`, in a child process).
+- MTP trials also measure the draft's acceptance on natural text (the user's `--dataset` or
+  the project's own prompts) in a short run of their own (`tune_acceptance`, which says why
+  not on the knee's random prompts); only that figure is recorded for the next plans.
 - Everything measured is kept: `tune.json` is rewritten atomically after every point, so a
   kill -9 loses at most one point, and `--resume` skips finished trials. Ctrl-C/SIGTERM stop the
   engine, keep what was measured and report the best so far.
 
 Parts: `tune_candidates` (what is worth a start), `tune_search` (rungs, the knee search, when a
-point is measured again), `tune_report` (the choice, the table, the plot). This module runs the
+point is measured again), `tune_report` (the choice, the table, the plot), `tune_acceptance`
+(MTP acceptance on natural prompts). This module runs the
 loop: engine life cycle, measurement on a running engine, and tune.json's bookkeeping.
 
 Pure orchestration: no click; `out` receives the lines to print. Engine and load generator are
@@ -53,10 +57,12 @@ from .. import __version__
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
+from ..inputs.prompts import PromptSet, builtin_prompts
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
 from ..predict.speculative import measured_acceptance, record_acceptance
+from . import tune_acceptance
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
 from .runner import VllmRunner
@@ -176,6 +182,9 @@ class TuneOptions:
     plot: bool = False
     verbose: bool = False
     calibrate: bool = True
+    prompts: PromptSet | None = None
+    """The user's `--dataset` (inputs.prompts.load_prompts); None: the built-in natural prompts.
+    Used only to measure MTP acceptance."""
 
 
 def _fmt_s(seconds: float) -> str:
@@ -259,6 +268,7 @@ class Tuner:
         self.startup_times: list[float] = []
         self._specs: dict[str, TrialSpec] = {}
         self._sizes: list[int] = []
+        self._acceptance: tuple[PromptSet, Path, int] | None = None
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -353,9 +363,13 @@ class Tuner:
         self.progress.line(f"planning candidates for {self.spec.name} ...")
         baseline, cands, notes = build_candidates(self.spec, self.hw, self.pins, o.workload,
                                                   o.slo, o.objective, o.user_candidates)
-        self._new_doc(baseline, notes)
-        self.save()
         pool = [baseline, *cands]
+        notes = notes + self._prepare_acceptance(pool)
+        self._new_doc(baseline, notes)
+        if self._acceptance:
+            prompts, path, n = self._acceptance
+            self.doc["acceptance_prompts"] = {**prompts.to_dict(), "file": str(path), "sent": n}
+        self.save()
         self._specs = {t.key: t for t in pool}
         sizes = rung_sizes(len(pool), o.max_starts, o.eta, o.rungs)
         self._sizes = sizes
@@ -378,6 +392,19 @@ class Tuner:
                 self.doc["status"] = "budget spent"
         self._finish()
         return status
+
+    def _prepare_acceptance(self, pool: list[TrialSpec]) -> list[str]:
+        """The natural prompts MTP trials measure acceptance on, written into the output
+        folder; notes for tune.json (a --dataset that no trial needs is said to be unused)."""
+        o = self.opts
+        if not any(tune_acceptance.runs_mtp(t.vllm_args) for t in pool):
+            return (["--dataset is used only to measure MTP acceptance, and no candidate runs "
+                     "MTP: not used"] if o.prompts else [])
+        prompts = o.prompts or builtin_prompts()
+        path, n = tune_acceptance.prepare(prompts, self.dir, o.seed)
+        self._acceptance = (prompts, path, n)
+        return [f"MTP acceptance is measured on {prompts.describe()}, not on the knee's random "
+                "prompts"]
 
     def _halving(self, pool: list[TrialSpec], sizes: list[int]) -> None:
         entrants = pool[:sizes[0]] if sizes else []
@@ -555,9 +582,9 @@ class Tuner:
                 raise BudgetExhausted()
             return left
 
-        def heartbeat(c: int) -> Callable[[float], None]:
+        def heartbeat(c: int | str) -> Callable[[float], None]:
             def beat(waited: float) -> None:
-                what = f"concurrency {c}" if c else "warm-up"
+                what = (c if isinstance(c, str) else f"concurrency {c}") if c else "warm-up"
                 self.progress.tick(f"  {what}: measuring ({waited:.0f}s)")
                 if runner.interrupted is not None:
                     raise Interrupted(runner.interrupted)
@@ -574,9 +601,9 @@ class Tuner:
             point = flat_point(s, o.slo, o.threshold, repeat)
             rec["results"].append(point)
             acc = measured_acceptance(point.get("raw") or {})
-            if acc:  # MTP trials: what vLLM's benchmark measured, kept for the next plans
-                rec["mtp_acceptance"] = acc
-                record_acceptance(self.spec.name, acc)
+            if acc:  # on random tokens: kept for comparison, never recorded for planning
+                rec["mtp_acceptance_random"] = {**acc, "source": "random-token prompts of the "
+                                                "knee search (not used for planning)"}
             self.save()
             return point
 
@@ -609,6 +636,10 @@ class Tuner:
         try:
             with gen:
                 rec["warmup"] = self._warmup(gen, runner, timeout, heartbeat)
+                if self._acceptance and tune_acceptance.runs_mtp(t.vllm_args):
+                    rec["mtp_acceptance"] = self._measure_acceptance(gen, runner, timeout,
+                                                                     heartbeat)
+                    self.save()
                 search.run()
         except LoadgenError as e:
             cause = f"the benchmark failed: {e}"
@@ -644,6 +675,33 @@ class Tuner:
         s = gen.run(spec, timeout=timeout(), heartbeat=heartbeat(0))
         self.progress.line(f"  warm-up done in {time.monotonic() - t0:.0f}s (not counted)")
         return {"seconds": round(time.monotonic() - t0, 1), "completed": s["completed"]}
+
+    def _measure_acceptance(self, gen: Any, runner: VllmRunner, timeout: Callable[[], float],
+                            heartbeat: Callable[[int | str], Callable[[float], None]]
+                            ) -> dict[str, Any]:
+        """The draft's acceptance on natural prompts (see tune_acceptance), recorded for the
+        model's next plans with its source. A failed run loses the figure, not the trial."""
+        assert self._acceptance is not None
+        prompts, path, n = self._acceptance
+        spec = tune_acceptance.load_spec(self._load_spec(runner, 1, 1, 0), path, n,
+                                         self.opts.workload.output_len)
+        self.progress.line(f"  MTP acceptance on {prompts.describe()}: {n} requests, "
+                           f"{spec.concurrency} in flight")
+        try:
+            record = tune_acceptance.measure(
+                lambda s: gen.run(s, timeout=timeout(), heartbeat=heartbeat("MTP acceptance")),
+                spec, prompts)
+        except LoadgenError as e:
+            if self.progress.left <= STOP_MARGIN_S + 1:
+                raise BudgetExhausted() from None
+            record = {"source": prompts.describe(), "error": f"the benchmark failed: {e}"[:500]}
+        if "first" in record:
+            record_acceptance(self.spec.name, record, source=record["source"])
+            self.progress.line(f"  MTP acceptance: first draft {record['first']:.0%}, "
+                               f"{record['acceptance_length']:.2f} tokens per step")
+        else:
+            self.progress.line(f"  MTP acceptance not measured: {record['error'][:200]}")
+        return record
 
     def _calibrate(self, t: TrialSpec, rec: dict[str, Any]) -> None:
         """Teach the performance model what was measured (launcher.predict.calibration)."""

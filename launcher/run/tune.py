@@ -60,7 +60,7 @@ from ..predict.planshape import shape_from_plan
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
 from .loadgen import LoadGenerator
 from .runner import VllmRunner
-from .tune_candidates import TrialSpec, build_candidates
+from .tune_candidates import TrialSpec, build_candidates, finished_first
 from .tune_candidates import flags_key as flags_key  # tests/test_tune_engine.py imports it here
 from .tune_measure import (
     STOP_MARGIN_S,
@@ -337,6 +337,8 @@ class Tuner:
                                                   o.slo, o.objective, o.user_candidates)
         self._new_doc(baseline, notes)
         self.save()
+        if self.previous:  # --resume: among equally ranked candidates, the finished first
+            cands = finished_first(cands, {k for _, k in self.previous})
         pool = [baseline, *cands]
         self._specs = {t.key: t for t in pool}
         sizes = rung_sizes(len(pool), o.max_starts, o.eta, o.rungs)

@@ -28,9 +28,10 @@ from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.prompts import builtin_prompts, load_prompts
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import speculative as S
+from launcher.predict import speculative as SP
 from launcher.predict.planner import Pins
 from launcher.run import tune as T
+from launcher.run import tune_search as S
 from launcher.run.emit import load_plan
 from launcher.run.loadgen import LoadSpec, benchmark_argv, summarize
 from launcher.run.runner import VllmRunner
@@ -241,7 +242,7 @@ def test_knee_search_finds_the_knee_within_resolution():
         seen.append(c)
         return c <= knee
 
-    s = T.KneeSearch(probe, max_concurrency=256, resolution=1.25)
+    s = S.KneeSearch(probe, max_concurrency=256, resolution=1.25)
     lo, hi = s.run()
     assert lo <= knee < hi and hi / lo <= 1.25 and s.bounded
     assert len(seen) == len(set(seen)) <= 10
@@ -249,12 +250,12 @@ def test_knee_search_finds_the_knee_within_resolution():
 
 
 def test_knee_search_edges():
-    s = T.KneeSearch(lambda c: False, max_concurrency=64)
+    s = S.KneeSearch(lambda c: False, max_concurrency=64)
     assert s.run() == (0, 1)
-    s = T.KneeSearch(lambda c: True, max_concurrency=48)
+    s = S.KneeSearch(lambda c: True, max_concurrency=48)
     assert s.run() == (48, None) and not s.bounded
     # from a hint above the knee it walks down, then bisects
-    s = T.KneeSearch(lambda c: c <= 10, max_concurrency=256, resolution=1.25, hint=40)
+    s = S.KneeSearch(lambda c: c <= 10, max_concurrency=256, resolution=1.25, hint=40)
     lo, hi = s.run()
     assert lo <= 10 < hi <= 12
 
@@ -265,9 +266,9 @@ def test_fragile_when_the_verdict_flips_within_ten_percent():
     raw = {"completed": 10, "failed": 0, "duration": 1.0, "request_throughput": 10,
            "request_goodput": 10, "output_throughput": 320, "output_lens": [32] * 10,
            "ttfts": [0.2] * 10, "latencies": [0.2 + 31 * 0.030] * 10}
-    assert not T.fragile(summarize(raw, spec), slo)
+    assert not S.fragile(summarize(raw, spec), slo)
     raw["latencies"] = [0.2 + 31 * 0.049] * 10  # 49 ms per token: within 10% of 50
-    assert T.fragile(summarize(raw, spec), slo)
+    assert S.fragile(summarize(raw, spec), slo)
 
 
 def test_candidates_from_the_planner_rank_layouts_and_keep_baseline_minimal():
@@ -373,6 +374,33 @@ def test_resume_skips_finished_trials_and_never_restarts_infeasible(tmp_path: Pa
     again = {(t["name"], t["status"]) for t in second["trials"] if t.get("resumed")}
     assert again == finished
     assert second["recommended"]["measured"] == first["recommended"]["measured"]
+
+
+def test_same_seed_same_workload_same_trials_and_choice(tmp_path: Path, fake_engine, tiny_spec,
+                                                         monkeypatch: pytest.MonkeyPatch):
+    """Two tunes with one seed and workload, each with its own calibration cache (so the first
+    one's lessons do not steer the second), start the same flags in the same order, send the same
+    load (the seed reaches every benchmark) and recommend the same configuration. On the real
+    engine the measurements differ run to run; on the deterministic fake they must not."""
+    factory, starts, _ = fake_engine
+    runs = []
+    for i in range(2):
+        monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path / f"cache{i}"))
+        FakeLoadgen.calls = []
+        status, doc = _run(tiny_spec, _opts(tmp_path, max_starts=2, rungs=1, seed=7,
+                                            output=tmp_path / f"out{i}"), factory)
+        assert status == 0
+        runs.append((doc, [(c.concurrency, c.num_prompts, c.seed) for c in FakeLoadgen.calls]))
+    def flags(args: list[str]) -> list[str]:  # the port is free-port luck, not a choice
+        i = args.index("--port")
+        return args[:i] + args[i + 2:]
+
+    started = [flags(a) for a in _started(starts)]
+    assert len(started) == 4 and started[:2] == started[2:]
+    (first, load1), (second, load2) = runs
+    assert load1 == load2 and {seed for _, _, seed in load1} == {7}
+    assert first["recommended"]["vllm_args"] == second["recommended"]["vllm_args"]
+    assert first["recommended"]["measured"] == second["recommended"]["measured"]
 
 
 def test_sigterm_stops_the_engine_keeps_points_and_exits_143(tmp_path: Path, fake_engine,
@@ -504,8 +532,8 @@ def test_mtp_acceptance_is_measured_on_natural_prompts_and_names_its_source(
     stored = json.loads((tmp_path / "cache" / "mtp_acceptance.json").read_text())
     entry = stored[tiny_spec.name]
     assert entry["first"] == acc["first"] and entry["source"] == acc["source"]
-    assert S.acceptance(model=tiny_spec.name).first == acc["first"]
-    assert acc["source"] in S.acceptance(model=tiny_spec.name).source
+    assert SP.acceptance(model=tiny_spec.name).first == acc["first"]
+    assert acc["source"] in SP.acceptance(model=tiny_spec.name).source
 
 
 def test_no_mtp_trial_means_no_acceptance_run_and_an_unused_dataset_is_noted(

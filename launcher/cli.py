@@ -161,9 +161,12 @@ def serving_options() -> list:
 _WORKLOAD_KEYS = ("input_len", "output_len", "workload", "objective", "slo", "concurrency")
 
 
-def workload_options(f):
+def workload_options(f=None, *, concurrency: bool = True):
     """What the deployment is for: lengths, SLO, objective. Without them the plan says it
-    assumed the chat preset and the default SLO."""
+    assumed the chat preset and the default SLO. `concurrency`: offer --concurrency (a plan's
+    extra operating point; capacity sizes by its own load instead)."""
+    if f is None:
+        return lambda g: workload_options(g, concurrency=concurrency)
     opts = [
         click.option("--input-len", type=int, help="Mean prompt tokens per request."),
         click.option("--output-len", type=int, help="Mean answer tokens per request."),
@@ -183,6 +186,8 @@ def workload_options(f):
                      help="Also predict the chosen layout at N requests in flight "
                           "(vllm bench serve --max-concurrency N)."),
     ]
+    if not concurrency:
+        opts = opts[:-1]
     for opt in reversed(opts):
         f = opt(f)
     return f
@@ -264,34 +269,70 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
 
     Exit 0 when it fits, 3 when it does not, 2 for bad input.
     """
+    if output:
+        _check_folder(output, "-o")
     plan = build_plan(model, gpus, **pins)
     d = plan.to_dict()
-    if plot_path and d["fits"]:
-        from .plot import plan_plot
+    if plot_path:
+        if d["fits"]:
+            from .plot import plan_plot
 
-        plan_plot(d, plot_path)
-    text = format_plan(d, fmt)
-    if output:
-        _warn_format_named(output)
-        _write_atomic(output, text)
-    else:
-        click.echo(text)
-    if emit_dir:
+            plan_plot(d, plot_path)
+        else:
+            click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
+                       "fit (no performance to plot)", err=True)
+    if emit_dir:  # before printing: a folder that cannot be written is one line, not a plan
         from .run.emit import emit_plan, write_termination_message
 
         if not d["fits"]:
             write_termination_message(format_plan(d, "text"), termination_log)
         else:
             emit_plan(d, emit_dir)
+    text = format_plan(d, fmt)
+    if output:
+        _warn_format_named(output)
+        _write_atomic(output, text)
+    else:
+        click.echo(_fit(text) if fmt == "text" else text)
     if not d["fits"]:
         sys.exit(3)
+
+
+def _check_folder(path: str, flag: str) -> None:
+    """The folder a file goes to must exist: say so naming the user's path, not the temp file
+    the atomic write would have made there."""
+    from pathlib import Path
+
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise InputError(f"{flag} {path}: folder {folder} does not exist; create it or write "
+                         "elsewhere")
+
+
+def _fit(text: str) -> str:
+    """Plan and capacity text fitted to the terminal (launcher/term.py): long reasons wrap
+    with a hanging indent, the vllm command continues with backslashes."""
+    import shlex
+
+    from . import term
+
+    cols = term.width()
+    out: list[str] = []
+    for line in text.split("\n"):
+        stripped = line.lstrip()
+        if " vllm serve " in line or stripped.startswith("vllm serve "):
+            lead = line[:len(line) - len(stripped)]
+            out += term.command(shlex.split(stripped), cols, indent=lead)
+        else:
+            out += term.fit([line], cols)
+    return "\n".join(out)
 
 
 @cli.command("capacity")
 @click.argument("model")
 @click.option("--users", type=int, help="Concurrent users, each with one request in flight.")
 @click.option("--rps", type=float, help="Requests per second arriving (open loop).")
-@workload_options
+@workload_options(concurrency=False)
 @click.option("--gpus", "gpu_options", multiple=True,
               help="GPU options to compare, e.g. 8xH200 2x8xH100 (repeat or comma-separate). "
                    "Default: every data-centre GPU in the catalog that can hold the model.")
@@ -304,14 +345,21 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
               help="Extra replicas for failures and rollouts.")
 @click.option("--max-model-len", type=int, help="Context each replica serves (default: full).")
 @click.option("--vllm-version", help="Plan for this vLLM version (default: installed).")
+@click.option("--mtp/--no-mtp", "speculative", default=None,
+              help="Pin MTP speculative decoding on or off for every option (default: each "
+                   "option's plan decides, as `vlaunch plan` does).")
 @format_option("text: a table for people; json: for scripts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
 def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: tuple[str, ...],
                  prices: tuple[str, ...], headroom: float, spare: int,
-                 max_model_len: int | None, vllm_version: str | None, fmt: str,
-                 plot_path: str | None, **kw) -> None:
-    """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s)."""
+                 max_model_len: int | None, vllm_version: str | None,
+                 speculative: bool | None, fmt: str, plot_path: str | None, **kw) -> None:
+    """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s).
+
+    Each option's replica is the plan `vlaunch plan` makes for it. Exit 0 with a
+    recommendation, 3 when no option meets the SLO (naming the closest miss), 2 for bad input.
+    """
     import json
 
     from .inputs.model import load_model
@@ -325,12 +373,16 @@ def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: 
     spec = load_model(model)
     d = capacity.plan_capacity(spec, load, goals["workload"], goals["slo"], options or None,
                                price_map, headroom, spare,
-                               _pins(max_model_len=max_model_len, vllm_version=vllm_version))
+                               _pins(max_model_len=max_model_len, vllm_version=vllm_version,
+                                     speculative=speculative),
+                               objective=goals["objective"])
     if plot_path:
         from .plot import capacity_plot
 
         capacity_plot(d, plot_path)
-    click.echo(json.dumps(d, indent=2) if fmt == "json" else capacity.render(d))
+    click.echo(json.dumps(d, indent=2) if fmt == "json" else _fit(capacity.render(d)))
+    if d["recommended"] is None:
+        raise NotFitError(capacity.miss_message(d))
 
 
 @cli.command("profiles")

@@ -13,6 +13,15 @@ from typing import Any
 
 from .errors import InputError
 
+PLOT_MODE = 0o644
+"""The mode of emitted files (paths.atomic_write), less the user's umask."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
 
 def _pyplot():
     try:
@@ -35,6 +44,7 @@ def _save(fig: Any, path: str) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.chmod(tmp, PLOT_MODE & ~_umask())  # mkstemp's 0600 would hide it from the group
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -65,6 +75,8 @@ def _frame(ax: Any, slo: dict[str, float], title: str) -> None:
 def plan_plot(d: dict[str, Any], path: str) -> Path:
     """The chosen layout's curve (bold, knee starred) and each runner-up's."""
     perf = d.get("performance")
+    if not d.get("fits"):
+        raise InputError("nothing to plot: the plan does not fit")
     if not perf:
         raise InputError("no performance prediction to plot (the GPU has no speed facts)")
     plt = _pyplot()
@@ -100,7 +112,7 @@ def capacity_plot(d: dict[str, Any], path: str) -> Path:
     if not drawn:
         plt.close(fig)
         raise InputError("no option has a performance curve to plot")
-    _frame(ax, d["slo"], f"{d['model']}: one replica per option")
+    _frame(ax, d["slo"], f"{d['model']['name']}: one replica per option")
     out = _save(fig, path)
     plt.close(fig)
     return out

@@ -269,7 +269,8 @@ def search(goal: Goal) -> Result:
         timed += [speed(goal, j, full=False) for j in extra
                   if min(j.cand.max_model_len, target) >= top]
     timed.sort(key=lambda j: j.value, reverse=True)
-    if goal.objective in ("balanced", "latency") and p.max_num_seqs is None:
+    if goal.objective in ("balanced", "latency") and p.max_num_seqs is None \
+            and not goal.hw.is_cpu:  # the CPU engine sizes its KV by max-num-seqs: no cap
         timed = _capped(goal, timed)
     return Result(timed, sorted(misfit.values(), key=lambda j: -j.cand.max_model_len),
                   sorted(fitting, key=lambda j: -j.cand.max_model_len),

@@ -24,6 +24,7 @@ from click.testing import CliRunner
 
 from launcher.cli import cli
 from launcher.errors import InputError
+from launcher.inputs import vllm_failures as vf
 from launcher.inputs.hardware import parse_gpus
 from launcher.observe import doctor
 from launcher.predict.planner import Pins
@@ -96,7 +97,7 @@ UNKNOWN = {
 }
 
 
-def _diagnose(name: str, ctx=None) -> doctor.Report:
+def _diagnose(name: str, ctx=None) -> vf.Report:
     return doctor.diagnose(str(FIXTURES / name), ctx)[0]
 
 
@@ -114,7 +115,7 @@ def test_fixture_diagnosis(name: str):
     assert len(report.diagnoses) == 1, [d.cause for d in report.diagnoses]
     d = report.root
     assert (d.cause, d.phase, d.consumer) == (cause, phase, consumer)
-    assert d.consumer in doctor.CONSUMERS and d.phase in doctor.PHASES
+    assert d.consumer in vf.CONSUMERS and d.phase in vf.PHASES
     if fix_args is not None:
         assert d.fix_args == fix_args
     assert d.fix_env == fix_env
@@ -175,7 +176,7 @@ def test_restart_appended_diagnoses_the_last_launch():
 def test_root_cause_is_the_first_direct_error_not_the_exit_code():
     text = (FIXTURES / "oom_profiling.log").read_text().replace(
         "Failed core proc(s): {'EngineCore': 1}", "Failed core proc(s): {'EngineCore': -9}")
-    report = doctor.scan_text(text)
+    report = vf.scan_text(text)
     assert [d.cause for d in report.diagnoses] == ["cuda_oom", "host_oom_killed"]
 
 
@@ -205,9 +206,9 @@ def test_phases_follow_vllms_markers():
         ("(APIServer pid=1) INFO 11-30 10:00:06 [loggers.py:283] Engine 000: Avg prompt throughput: 1.0 tokens/s", "serving"),
     ]
     for line, phase in lines:
-        assert doctor.phase_of(split := doctor.split_line(1, line).content)[0] == phase, split
-    assert [p for _, p in lines] == list(doctor.PHASES)
-    report = doctor.scan_text("\n".join(x for x, _ in lines))
+        assert vf.phase_of(split := vf.split_line(1, line).content)[0] == phase, split
+    assert [p for _, p in lines] == list(vf.PHASES)
+    report = vf.scan_text("\n".join(x for x, _ in lines))
     assert report.phase == "serving" and report.diagnoses == []
     assert report.facts.number("weights_gib") == 78.45
 
@@ -218,14 +219,14 @@ def test_warnings_that_mention_failures_are_not_failures():
         "(APIServer pid=1) INFO 11-30 10:00:01 [x.py:1] Port 8000 is already in use, trying port 8001\n"
         "INFO:     Application startup complete.\n"
     )
-    report = doctor.scan_text(text)
+    report = vf.scan_text(text)
     assert report.diagnoses == []
 
 
 def test_overlong_lines_are_cut_and_the_error_after_them_still_found():
     big = "(APIServer pid=1) INFO 11-30 10:00:00 [x.py:1] config: " + "x" * 1_000_000 + "\n"
     text = big + "ValueError: No available memory for the cache blocks. Try increasing ...\n"
-    report, _ = doctor.scan_source("-", stdin=io.StringIO(text))
+    report, _ = vf.scan_source("-", stdin=io.StringIO(text))
     assert report.root.cause == "no_kv_cache_memory"
     assert report.lines == 2
 
@@ -339,7 +340,7 @@ def test_unreadable_log_is_an_input_error(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(Path, "open", denied)
     with pytest.raises(InputError, match="cannot read"):
-        doctor.scan_source(str(log))
+        vf.scan_source(str(log))
 
 
 # --- serve's retries use the same classifier (issue 12, item 5) ----------------------------------
@@ -370,3 +371,42 @@ def test_serve_retries_a_transient_failure_once_with_the_same_flags(h200_ctx):
         step = next_attempt(pins, plan, failure, ["--seed", "1"], False)
         assert step == (pins, ["--seed", "1"], step[2], True) and "transient" in step[2]
         assert next_attempt(pins, plan, failure, ["--seed", "1"], True) is None
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(module imported, inside a function?) for every import of a launcher source file."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    out: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.ImportFrom) and child.level:
+                pkg = path.parent.relative_to(Path(doctor.__file__).parents[2]).parts
+                base = ".".join(pkg[:len(pkg) - child.level + 1])
+                out.append((f"{base}.{child.module}" if child.module else base, inner))
+            visit(child, inner)
+
+    visit(tree, False)
+    return out
+
+
+def test_failure_classification_sits_below_run_and_observe():
+    """No circle serve -> doctor -> serve or vllmlog -> doctor -> vllmlog, not even through an
+    import inside a function: the table imports neither stage, the doctor never imports run,
+    and vllmlog reaches the table directly."""
+    root = Path(doctor.__file__).parents[1]
+    table = _imports(root / "inputs" / "vllm_failures.py")
+    assert table and all(not m.startswith(("launcher.run", "launcher.observe", "launcher.predict"))
+                         for m, _ in table)
+    for name in ("observe/doctor.py", "run/vllmlog.py", "inputs/vllm_failures.py",
+                 "predict/replan.py"):
+        found = _imports(root / name)
+        assert not [m for m, nested in found if nested], name
+    assert not [m for m, _ in _imports(root / "observe" / "doctor.py")
+                if m.startswith("launcher.run")]
+    for path in (root / "observe").glob("*.py"):
+        assert "launcher.run.serve" not in [m for m, _ in _imports(path)], path
+    assert "launcher.observe.doctor" not in [m for m, _ in _imports(root / "run" / "vllmlog.py")]

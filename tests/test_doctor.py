@@ -98,6 +98,12 @@ UNKNOWN = {
 
 
 def _diagnose(name: str, ctx=None) -> vf.Report:
+    """The fixture's diagnosis: the log-only fixes without a context (what the table below
+    pins), or the planner-checked ones with it."""
+    if ctx is None:
+        report = vf.scan_source(str(FIXTURES / name))[0]
+        doctor.apply_log_fixes(report)
+        return report
     return doctor.diagnose(str(FIXTURES / name), ctx)[0]
 
 
@@ -189,10 +195,11 @@ def test_transient_failures_are_marked():
 
 def test_numbers_from_vllms_message():
     d = _diagnose("kv_short_models_estimate.log").root
-    assert d.numbers == {"max_model_len": "163840", "needed": "10.72", "unit": "GiB",
-                         "available": "5.95", "estimate": "90880"}
+    # numbers are numbers (JSON shows them unquoted), words stay words
+    assert d.numbers == {"max_model_len": 163840, "needed": 10.72, "unit": "GiB",
+                         "available": 5.95, "estimate": 90880}
     d = _diagnose("free_mem_v032.log").root
-    assert (d.numbers["device"], d.numbers["free"], d.numbers["total"]) == ("cuda:0", "30.12", "79.19")
+    assert (d.numbers["device"], d.numbers["free"], d.numbers["total"]) == ("cuda:0", 30.12, 79.19)
 
 
 def test_phases_follow_vllms_markers():
@@ -258,19 +265,100 @@ def h200_ctx() -> doctor.PlanContext:
 def test_planner_fix_for_kv_shortage_uses_the_measured_estimate(h200_ctx):
     d = _diagnose("ranks8_kv_short_dp8.log", h200_ctx).root
     assert d.fix_args == ["--max-model-len", "90880"]
-    assert d.serve_command == "vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 --max-model-len 90880"
-    assert d.explain[0].startswith("re-planned by vlaunch's planner")
+    # the run line is the failed launch (its --dp 8 from the log) with the fix applied
+    assert d.serve_command.startswith("vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 --dp 8 "
+                                      "--max-model-len 90880")
+    assert d.explain[0].startswith("checked by vlaunch's planner")
 
 
-def test_planner_fix_for_kv_dtype_and_graphs(h200_ctx):
-    assert _diagnose("kv_dtype_no_backend.log", h200_ctx).root.fix_args == ["--kv-cache-dtype", "auto"]
-    assert _diagnose("oom_graph_capture.log", h200_ctx).root.fix_args == ["--enforce-eager"]
+def _pins_of_command(command: str) -> Pins:
+    """The pins a `vlaunch serve` command line sets (what the doctor's run: line re-plans)."""
+    import shlex
+
+    words = shlex.split(command)
+    names = {"--tp": "tp", "--pp": "pp", "--dp": "dp", "--max-model-len": "max_model_len",
+             "--kv-cache-dtype": "kv_cache_dtype", "--max-num-seqs": "max_num_seqs",
+             "--gpu-memory-utilization": "gpu_memory_utilization",
+             "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
+             "--max-num-batched-tokens": "max_num_batched_tokens"}
+    kw: dict = {}
+    for i, w in enumerate(words):
+        if w in names:
+            v = words[i + 1]
+            kw[names[w]] = v if w == "--kv-cache-dtype" else (float(v) if "." in v else int(v))
+        elif w == "--enforce-eager":
+            kw["enforce_eager"] = True
+    return Pins(**kw)
 
 
-def test_planner_keeps_the_log_fix_when_the_replan_does_not_fit(h200_ctx):
-    d = _diagnose("free_mem_v032.log", h200_ctx).root
-    assert d.fix_args == ["--gpu-memory-utilization", "0.37"]
-    assert any("does not fit" in x for x in d.explain)
+PLANNED = sorted(n for n, v in EXPECTED.items() if v[0] in doctor._PLANNED_CAUSES)
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_every_shown_fix_fits_by_the_planner_and_agrees_with_its_run_line(name, h200_ctx):
+    """Property over every planned-cause fixture: a fix that is shown is one the planner says
+    fits, and the `fix:` flags appear with the same values in the `run:` command, which
+    itself re-plans to a plan that fits."""
+    from launcher.predict.planner import make_plan
+
+    report = _diagnose(name, h200_ctx)
+    for d in report.diagnoses:
+        if not d.fix_args:
+            assert d.serve_command is None or d.fix_env
+            continue
+        words = d.serve_command.split()
+        for i in range(0, len(d.fix_args)):
+            flag = d.fix_args[i]
+            if not flag.startswith("--"):
+                continue
+            mine = doctor._VLAUNCH_PINS.get(flag, flag)
+            assert mine in words, (flag, d.serve_command)
+            if i + 1 < len(d.fix_args) and not d.fix_args[i + 1].startswith("--"):
+                assert words[words.index(mine) + 1] == d.fix_args[i + 1]
+        plan = make_plan(h200_ctx.spec, h200_ctx.hardware, _pins_of_command(d.serve_command))
+        assert plan.fits, (name, d.serve_command, plan.chosen.problem)
+
+
+def _write_log(tmp_path: Path, args: dict, *errors: str) -> Path:
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(APIServer pid=1) INFO 11-30 10:00:01 [api_utils.py:347] vLLM API server version 0.32.0\n"
+        f"(APIServer pid=1) INFO 11-30 10:00:02 [api_utils.py:286] non-default args: {args!r}\n"
+        + "".join(f"(EngineCore pid=2) ERROR 11-30 10:00:09 [core.py:1010] {e}\n" for e in errors))
+    return log
+
+
+def test_no_kv_memory_fix_the_planner_refuses_is_never_shown(tmp_path):
+    """Qwen3-8B at utilization 0.50 on a 24 GB card: the log's "+0.05" fix still leaves the
+    40,960-token request without room; the doctor shows a fix the planner fits instead, and
+    the one it refused only as the reason it was not taken."""
+    log = _write_log(tmp_path, {"model": "Qwen/Qwen3-8B", "max_model_len": 40960,
+                                "gpu_memory_utilization": 0.5},
+                     "ValueError: No available memory for the cache blocks. Try increasing "
+                     "`gpu_memory_utilization` when initializing the engine.")
+    ctx = doctor.context_from_model("qwen3-8b", "1xL4", Pins(), {}, parse_gpus("1xL4"))
+    d = doctor.diagnose(str(log), ctx)[0].root
+    assert d.fix_args != ["--gpu-memory-utilization", "0.55"]
+    assert any("0.55" in x and "does not fit" in x for x in d.explain)
+    r = CliRunner().invoke(cli, ["doctor", str(log), "qwen3-8b", "--gpus", "1xL4"])
+    fix = next(x for x in r.output.splitlines() if x.strip().startswith("fix:"))
+    run = next(x for x in r.output.splitlines() if x.strip().startswith("run:"))
+    flags = fix.split("fix:")[1].split()
+    for i in range(0, len(flags), 2):
+        assert f"{flags[i]} {flags[i + 1]}" in run
+
+
+def test_max_len_fix_never_offers_more_kv_bytes_than_the_log_had(tmp_path):
+    log = _write_log(tmp_path, {"model": "Qwen/Qwen3-8B", "max_model_len": 40960},
+                     "ValueError: To serve at least one request with the model's max seq len "
+                     "(40960), (5.62 GiB KV cache is needed, which is larger than the available "
+                     "KV cache memory (4.32 GiB). Based on the available memory, the estimated "
+                     "maximum model length is 31488. Try increasing `gpu_memory_utilization`")
+    report = vf.scan_source(str(log))[0]
+    doctor.apply_log_fixes(report)
+    d = report.root
+    assert d.fix_args == ["--max-model-len", "31488"]
+    assert not any("--kv-cache-memory-bytes" in x for x in d.explain)
 
 
 # --- the command ----------------------------------------------------------------------------------

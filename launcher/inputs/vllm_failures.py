@@ -27,7 +27,9 @@ import ast
 import contextlib
 import functools
 import io
+import os
 import re
+import stat
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -269,15 +271,25 @@ RULES: tuple[Rule, ...] = (
         r"To serve at least one request with the models?'s max seq len \((?P<max_model_len>\d+)\)"
         r",? ?\(?(?P<needed>[\d.]+) (?P<unit>GiB|GB) KV cache is needed, which is larger than "
         r"the available KV cache memory \((?P<available>[\d.]+) (?:GiB|GB)\)\.?"
-        r"(?: Based on the available memory, the estimated maximum model length is "
-        r"(?P<estimate>\d+))?"),
+        r"(?: Based on the available memory,(?: the estimated maximum model length is "
+        r"(?P<estimate>\d+))?)?"
+        r"|The model's max seq len \((?P<max_model_len_v0>\d+)\) is larger than the maximum "
+        r"number of tokens that can be stored in KV cache \((?P<kv_tokens>\d+)\)"),
         "kv_cache", "KV_SHORTAGE",
-        "v1/core/kv_cache_utils.py _check_enough_kv_cache_memory; 0.32.0 says \"model's\" and "
-        "format_gib GiB; older releases \"models's\" with GiB and the estimate, and before that "
-        "\"models's\" with \"GB\" and no estimate (which releases: not verified here)"),
+        "V1: v1/core/kv_cache_utils.py check_enough_kv_cache_memory (_check_enough_kv_cache_"
+        "memory in 0.32.0): 0.7.x \"models's ... (X GB KV cache is needed ... (Y GB)\" without an "
+        "estimate; 0.8.x \"GiB\" and \"Based on the available memory,\" with the estimate lost "
+        "(an f-string bug of 0.8.5); 0.9 to 0.25 \"models's\" with \"the estimated maximum model "
+        "length is N\"; 0.26 on \"model's\". V0 (0.6.0 to 0.10.x): worker/worker.py "
+        "raise_if_cache_size_invalid and worker/cpu_worker.py _validate_num_cpu_blocks \"The "
+        "model's max seq len (X) is larger than the maximum number of tokens that can be stored "
+        "in KV cache (Y)\""),
     Rule("no_kv_cache_memory", _r(r"No available memory for the cache blocks"),
          "by_budget", "NO_KV_MEMORY",
-         "v1/core/kv_cache_utils.py _check_enough_kv_cache_memory (all V1 releases)"),
+         "v1/core/kv_cache_utils.py (all V1 releases, 0.7 to 0.32; from 0.14 with a link to "
+         "conserving_memory, from 0.26 noting the flag also sizes CPU memory); V0 (0.6 to 0.10): "
+         "worker/worker.py raise_if_cache_size_invalid, worker/cpu_worker.py "
+         "_validate_num_cpu_blocks (\"Try increasing `VLLM_CPU_KVCACHE_SPACE`\")"),
     Rule("free_memory_below_utilization", _r(
         r"(?:Free|Available) memory on (?:device|node)(?: (?P<device>[^\s(]+))? "
         r"\((?P<free>[\d.]+)/(?P<total>[\d.]+) GiB\) on (?:startup|kv cache allocation) is "
@@ -286,22 +298,26 @@ RULES: tuple[Rule, ...] = (
         r"weights \((?P<util2>[\d.]+), (?P<requested2>[\d.]+) GiB\)|requested memory for kv "
         r"\((?P<kv_requested>[\d.]+)(?:/[\d.]+)? GiB\))"),
         "co_tenant", "INSUFFICIENT_FREE_MEMORY",
-        "v1/worker/utils.py request_memory (0.32.0; older releases print \"Free memory on device "
-        "(X/Y GiB)\" without the device, releases not verified); v1/worker/cpu_worker.py "
-        "CPUWorker.__init__ and determine_available_memory (CPU)"),
+        "v1/worker/gpu_worker.py Worker.init_device \"Free memory on device (X/Y GiB) on startup "
+        "is less than desired GPU memory utilization (U, R GiB)\" (0.9 to 0.11); "
+        "v1/worker/utils.py request_memory with the device name (0.14 to 0.32); "
+        "v1/worker/cpu_worker.py \"Available memory on node N ... desired CPU memory "
+        "utilization\" (0.20 on) and determine_available_memory (CPU)"),
     Rule("memory_changed_during_profiling", _r(
         r"Error in memory profiling\. Initial free memory (?P<initial>[\d.]+)(?: GiB)?, "
         r"current free memory (?P<current>[\d.]+)"),
         "co_tenant", "OTHER",
-        "v1/worker/gpu_worker.py Worker.determine_available_memory assertion (0.32.0: \"other "
-        "processes sharing the same container release GPU memory\"; older releases, not "
-        "verified which: \"the GPU memory was not properly cleaned up\", some with raw bytes)",
+        "assertion in Worker.determine_available_memory: V0 worker/worker.py (0.6 to 0.10, "
+        "raw bytes, \"the GPU memory was not properly cleaned up\"); V1 v1/worker/gpu_worker.py "
+        "(0.9 on, GiB, \"other processes sharing the same container release GPU memory\"); "
+        "v1/worker/xpu_worker.py keeps raw bytes",
         transient=True, phase="profiling"),
     Rule("sampler_warmup_oom", _r(
-        r"CUDA out of memory occurred when warming up (?:sampler|pooler) with "
+        r"CUDA out of memory occurred when warming up (?:sampler|pooler)(?: \([^)]*\))? with "
         r"(?P<num_reqs>\d+) dummy requests"),
         "activations", "DEVICE_OOM",
-        "v1/worker/gpu_model_runner.py GPUModelRunner._dummy_sampler_run (V1)",
+        "v1/worker/gpu_model_runner.py GPUModelRunner._dummy_sampler_run (0.8 on) and "
+        "_dummy_pooler_run (0.9: \"pooler with\"; 0.10 on: \"pooler (task=...) with\")",
         phase="profiling"),
     Rule("cuda_oom", _r(
         r"CUDA out of memory|torch\.(?:cuda\.)?OutOfMemoryError|CUDA error: out of memory"
@@ -324,6 +340,43 @@ RULES: tuple[Rule, ...] = (
         r"?out|ProcessGroupNCCL.*[Tt]imeout"),
         "none", "OTHER",
         "torch.distributed ProcessGroupNCCL watchdog (any vLLM release)", transient=True),
+    Rule("nccl_shared_memory", _r(
+        r"Error while (?:creating|attaching to) shared memory segment (?P<segment>\S+)"
+        r"(?: \(size (?P<size>\d+)\))?|failed to extend (?P<segment2>\S+) to (?P<size2>\d+) "
+        r"bytes|failed to create shared memory file (?P<segment3>\S+)"
+        r"|Call to posix_fallocate failed"),
+        "none", "OTHER",
+        "NCCL src/misc/shmutils.cc ncclShmOpen WARN \"Error while creating shared memory "
+        "segment %s (size %ld)\", \"Error: failed to extend %s to %ld bytes\" (posix_fallocate "
+        "in NCCL before 2.12): /dev/shm is full or too small (a container's 64 MiB default)"),
+    Rule("nccl_peer_access", _r(
+        r"peer access is not supported between these two devices|cudaErrorPeerAccessUnsupported"
+        r"|peer mapping resources exhausted|P2P/IPC .* failed|failed to open CUDA IPC handle"),
+        "none", "OTHER",
+        "NCCL's CUDACHECK WARN \"Cuda failure 'peer access is not supported between these two "
+        "devices'\" (cudaDeviceEnablePeerAccess in the P2P transport, src/transport/p2p.cc)"),
+    Rule("nccl_infiniband", _r(
+        r"NCCL WARN NET/IB\w*\s*:\s*(?P<ib>.+)|Got completion from peer \S+ with "
+        r"(?:error|status)[ =]?(?P<status>\w+)|ibv_(?:modify_qp|create_qp|reg_mr\w*|poll_cq|"
+        r"open_device)\w* failed"),
+        "none", "OTHER",
+        "NCCL src/transport/net_ib.cc WARN \"NET/IB : Got completion from peer %s with error %d"
+        "\" and the ibv_* wrappers (src/misc/ibvwrap.cc \"Call to ibv_... failed\")"),
+    Rule("nccl_socket", _r(
+        r"NCCL WARN (?:NET/Socket|Net|Bootstrap|socket\w*|misc/socket)\w*\s*:\s*"
+        r"(?P<socket>[^\n]*(?:[Cc]onnect|[Cc]onnection|interface|recv|send|[Tt]imeout)[^\n]*)"
+        r"|socketProgress(?:Opt)?: (?:Call to recv|Connection closed by remote peer)"
+        r"|Bootstrap : no socket interface found"),
+        "none", "OTHER",
+        "NCCL src/misc/socket.cc (\"socketProgress: Connection closed by remote peer %s\", "
+        "\"Connect to %s failed\") and src/bootstrap.cc \"Bootstrap : no socket interface "
+        "found\""),
+    Rule("cpu_attention_head_size", _r(
+        r"Unsupported CPU attention configuration: head_dim=(?P<head_dim>\d+)"),
+        "none", "OTHER",
+        "vLLM's CPU attention kernel (csrc/cpu, _C.abi3.so of vllm-cpu 0.32.0) at the first "
+        "request; the sizes it takes: v1/attention/backends/cpu_attn.py "
+        "CPUAttentionBackend.get_supported_head_sizes", phase="serving"),
     Rule("nccl_error", _r(
         r"NCCL error(?: in: \S+)?: (?P<nccl>[^\n]+)|ncclSystemError|ncclInternalError"
         r"|ncclUnhandledCudaError|DistBackendError"),
@@ -408,7 +461,9 @@ _RULE_HINT = re.compile(
     r"|kv_cache_dtype|FP8 KV|fp8e4nv|Float8|--kv-cache-dtype|quantization method|No module"
     r"|already in use|Repo id|not a local folder|Repository Not Found|Invalid repository"
     r"|huggingface|outgoing traffic|LocalEntryNotFound|Max retries|Gated|gated"
-    r"|Timed out waiting|max_model_len|attention heads|: error: "
+    r"|Timed out waiting|max_model_len|attention heads|: error: |shared memory|posix_fallocate"
+    r"|peer access|PeerAccess|peer mapping|IPC|NET/IB|ibv_|completion from peer|socket"
+    r"|Bootstrap|head_dim="
 )
 
 
@@ -491,12 +546,48 @@ class _Hit:
         if not line.wrapper:
             self.wrapped_only = False
             self.ranks.add(line.rank or "")
-        if len(self.evidence) < MAX_EVIDENCE and line.text not in self.evidence:
-            self.evidence.append(line.text)
+        text = shown(line.text)
+        if len(self.evidence) < MAX_EVIDENCE and text not in self.evidence:
+            self.evidence.append(text)
+
+
+# Terminal control characters (an escape sequence in a log must not repaint the reader's
+# terminal) and Unicode's bidirectional overrides (they reorder what is shown).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_SECRET_TEXT = re.compile(r"('(?:api_key|hf_token)':\s*')[^']*'|(--(?:api-key|hf-token)[= ])\S+")
+
+
+def shown(text: str) -> str:
+    """A log line as evidence may show it: control characters escaped (\\x1b), and the values
+    of --api-key and --hf-token (as vLLM's "non-default args" prints them) hidden."""
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
+                        else f"\\u{ord(m.group()):04x}", text)
+    return _SECRET_TEXT.sub(lambda m: (m.group(1) + "***'") if m.group(1)
+                            else m.group(2) + "***", text)
+
+
+_ALIAS = re.compile(r"(?:_v0|\d)$")  # "model2", "max_model_len_v0": another wording's group
+_INT = re.compile(r"-?\d+")
+_DEC = re.compile(r"-?\d+\.\d*")
+
+
+def _value(text: str) -> Any:
+    """A number the message printed, as a number (JSON shows numbers as numbers); else text."""
+    if _INT.fullmatch(text):
+        return int(text)
+    if _DEC.fullmatch(text):
+        return float(text)
+    return text
 
 
 def _numbers(m: re.Match[str]) -> dict[str, Any]:
-    return {k: v for k, v in m.groupdict().items() if v is not None}
+    """The named groups a message matched, under one name per fact whichever wording printed
+    it, numbers converted."""
+    out: dict[str, Any] = {}
+    for k, v in m.groupdict().items():
+        if v is not None:
+            out.setdefault(_ALIAS.sub("", k), _value(v))
+    return out
 
 
 def _rank_count(ranks: set[str]) -> int:
@@ -533,6 +624,7 @@ class Scanner:
     def __init__(self) -> None:
         self.count = 0
         self.launches = 0
+        self.vllm_seen = False  # a line naming vLLM (what makes a stream a vLLM log)
         self._reset()
 
     def _reset(self) -> None:
@@ -545,6 +637,9 @@ class Scanner:
 
     def feed(self, raw: str) -> None:
         self.count += 1
+        if not self.vllm_seen:
+            self.vllm_seen = ("vllm" in raw.lower() or "EngineCore" in raw
+                              or "(APIServer" in raw or "api_server.py" in raw)
         if _quiet(raw):
             # An INFO/DEBUG/WARNING line can only move the phase or add a fact: most of a long
             # log is these, so they skip the prefix split and the failure table. Once serving,
@@ -638,8 +733,8 @@ class Scanner:
         seen: list[str] = []
         lines = self.unknown + [x for x in self.unknown_tail if x not in self.unknown]
         for x in lines:
-            if x.text not in seen:
-                seen.append(x.text)
+            if shown(x.text) not in seen:
+                seen.append(shown(x.text))
         root = next((x for x in lines if _EXCEPTION.match(x.content)), lines[0])
         numbers: dict[str, Any] = {}
         if m := _EXCEPTION.match(root.content):
@@ -659,24 +754,41 @@ def _order(hit: _Hit) -> tuple[int, int]:
 # --- reading logs ------------------------------------------------------------------------------
 
 _LOG_NAMES = ("*.log", "*.txt", "*.out", "*.err")
+MAX_BYTES = 256 << 20  # read at most the last 256 MiB of a log: the failure is at its end
+_HEAD = 65536  # a vLLM log names vLLM in its first 64 KiB (the banner, the version line)
+
+
+def _mentions_vllm(head: bytes) -> bool:
+    """vLLM's name, its engine or API server process, or the usage line of its entry point
+    (vllm/entrypoints/openai/api_server.py, whose argparse errors name nothing else)."""
+    return (b"vllm" in head.lower() or b"EngineCore" in head or b"(APIServer" in head
+            or b"api_server.py" in head)
+
+
+def _regular(path: Path) -> bool:
+    """A regular file: never a device (/dev/zero never ends), a FIFO (blocks), a socket."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 def log_files(path: Path) -> list[Path]:
-    """The vLLM logs in a folder: *.log/*.txt/*.out/*.err files that mention vLLM (first 64
-    KiB), oldest first so that a later restart's log is read last."""
-    files = sorted({p for pat in _LOG_NAMES for p in path.glob(pat) if p.is_file()},
+    """The vLLM logs in a folder: regular *.log/*.txt/*.out/*.err files that mention vLLM
+    (first 64 KiB), oldest first so that a later restart's log is read last."""
+    files = sorted({p for pat in _LOG_NAMES for p in path.glob(pat) if _regular(p)},
                    key=lambda p: (p.stat().st_mtime, p.name))
     out = []
     for p in files:
         with contextlib.suppress(OSError), p.open("rb") as f:
-            head = f.read(65536)
-            if b"vllm" in head.lower() or b"EngineCore" in head or b"(APIServer" in head:
+            if _mentions_vllm(f.read(_HEAD)):
                 out.append(p)
     return out
 
 
-def _lines_of(stream: TextIO) -> Iterator[str]:
-    """Lines of a text stream, each at most MAX_LINE characters, without holding the file."""
+def _lines_of(stream: TextIO, budget: list[int] | None = None) -> Iterator[str]:
+    """Lines of a text stream, each at most MAX_LINE characters, without holding the file;
+    with `budget` ([characters left]) it stops once that many have been read (stdin's cap)."""
     while True:
         chunk = stream.readline(MAX_LINE)
         if not chunk:
@@ -685,7 +797,21 @@ def _lines_of(stream: TextIO) -> Iterator[str]:
             rest = chunk
             while rest and not rest.endswith("\n"):  # drop the remainder of an overlong line
                 rest = stream.readline(MAX_LINE)
+        if budget is not None:
+            budget[0] -= len(chunk)
+            if budget[0] < 0:
+                return
         yield chunk
+
+
+def _open_tail(path: Path) -> TextIO:
+    """The file as text from at most MAX_BYTES before its end, starting at a whole line."""
+    f = path.open("rb")
+    size = os.fstat(f.fileno()).st_size
+    if size > MAX_BYTES:
+        f.seek(size - MAX_BYTES)
+        f.readline()  # the rest of a line cut in half
+    return io.TextIOWrapper(f, encoding="utf-8", errors="replace")
 
 
 def scan_lines(lines: Iterable[str]) -> Report:
@@ -702,26 +828,46 @@ def scan_text(text: str) -> Report:
 def scan_source(source: str, stdin: TextIO | None = None) -> tuple[Report, list[str]]:
     """Diagnose a file, a folder of vLLM logs, or "-" (stdin). Returns (report, names read).
 
-    Raises InputError for a missing or unreadable path, an empty log, or a folder without
-    vLLM logs: one line that says what to pass instead.
+    Raises InputError for a missing, unreadable or non-regular path, an empty log, a file or
+    stream that is not a vLLM log (the folder scan's rule: vLLM named in its first 64 KiB),
+    or a folder without vLLM logs: one line that says what to pass instead. At most the last
+    MAX_BYTES of a file (the first of stdin) are read.
     """
     if source == "-":
         stream = stdin if stdin is not None else _stdin()
-        report = scan_lines(_lines_of(stream))
+        scanner = Scanner()
+        for raw in _lines_of(stream, [MAX_BYTES]):
+            scanner.feed(raw)
+        report = scanner.report()
         names = ["<stdin>"]
+        if report.lines and not scanner.vllm_seen:
+            raise InputError("stdin is not a vLLM log (no vLLM line in it); pipe the log of a "
+                             "vLLM start, e.g. kubectl logs POD | vlaunch doctor -")
     else:
         path = Path(source)
         if not path.exists():
             raise InputError(f"no such log: {source}; pass a vLLM log file, a folder of logs, "
                              "or - for stdin")
-        files = log_files(path) if path.is_dir() else [path]
-        if not files:
-            raise InputError(f"no vLLM logs in {source} (looked for *.log, *.txt, *.out, "
-                             "*.err that mention vLLM)")
+        if path.is_dir():
+            files = log_files(path)
+            if not files:
+                raise InputError(f"no vLLM logs in {source} (looked for *.log, *.txt, *.out, "
+                                 "*.err that mention vLLM)")
+        elif not _regular(path):
+            raise InputError(f"{source} is not a regular file (a device, FIFO or socket); pass "
+                             "a vLLM log file, a folder of logs, or - for stdin")
+        else:
+            files = [path]
         scanner = Scanner()
         for f in files:
             try:
-                with f.open(encoding="utf-8", errors="replace") as stream:
+                if f is path:
+                    with f.open("rb") as head:
+                        first = head.read(_HEAD)
+                    if first and not _mentions_vllm(first):
+                        raise InputError(f"{source} is not a vLLM log (no vLLM line in its "
+                                         "first 64 KiB); pass the log of a vLLM start")
+                with _open_tail(f) as stream:
                     for raw in _lines_of(stream):
                         scanner.feed(raw)
             except OSError as e:
@@ -779,7 +925,7 @@ def to_failure(d: Diagnosis) -> Failure:
     n = d.numbers
     rule = _RULE_BY_CAUSE.get(d.cause)
 
-    def num(key: str, conv: Callable[[str], Any] = float) -> Any:
+    def num(key: str, conv: Callable[[Any], Any] = float) -> Any:
         return conv(n[key]) if n.get(key) is not None else None
 
     details = {"cause": d.cause, "consumer": d.consumer, "phase": d.phase}
@@ -791,10 +937,10 @@ def to_failure(d: Diagnosis) -> Failure:
         kind=rule.kind if rule else "OTHER",
         message=_strip(d.evidence[0]) if d.evidence else d.cause,
         max_model_len=num("max_model_len", int), needed_kv_gib=num("needed"),
-        available_kv_gib=num("available"), estimated_max_model_len=num("estimate", int),
+        available_kv_gib=num("available"),
+        estimated_max_model_len=num("estimate", int) or num("kv_tokens", int),
         free_gib=num("free"), total_gib=num("total"),
-        requested_utilization=num("util") if n.get("util") else num("util2"),
-        requested_gib=num("requested") if n.get("requested") else num("requested2"),
+        requested_utilization=num("util"), requested_gib=num("requested"),
         details=details, cause=d.cause, transient=d.transient)
 
 

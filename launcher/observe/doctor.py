@@ -20,14 +20,15 @@ import dataclasses
 import math
 import shlex
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..errors import InputError
+from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
 from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_text, to_failure
-from ..predict.planner import inputs_from_plan, make_plan
+from ..predict.planner import Pins, inputs_from_plan, make_plan
 from ..predict.replan import merge_args, replan_pins
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
@@ -68,6 +69,12 @@ def _floor2(x: float) -> float:
 def _fix_kv_short(d: Diagnosis, facts: Facts) -> Fix:
     n = d.numbers
     asked = int(n["max_model_len"])
+    if "needed" not in n:  # V0's wording: the tokens the cache holds, no GiB
+        held = int(n["kv_tokens"])
+        return Fix(["--max-model-len", str(held)],
+                   explain=[f"one request at --max-model-len {asked:,} needs more KV cache than "
+                            f"vLLM had: it holds {held:,} tokens", f"{held:,} tokens is the "
+                            "longest context that fits (or raise --gpu-memory-utilization)"])
     needed, available = float(n["needed"]), float(n["available"])
     est = int(n["estimate"]) if n.get("estimate") else None
     why = [f"one request at --max-model-len {asked:,} needs {_gib(needed)} of KV cache; vLLM "
@@ -81,11 +88,11 @@ def _fix_kv_short(d: Diagnosis, facts: Facts) -> Fix:
                    "available/needed (GiB rounded to 0.01 by vLLM), less 2%")
     if length <= 0:
         return Fix(explain=why + ["no context fits: give the KV cache more memory"])
-    more = (f"or keep {asked:,} tokens and give the KV cache about {_gib(needed)}: "
-            f"--kv-cache-memory-bytes {_needed_bytes(n, facts):d}")
-    if not facts.arg("kv_cache_memory_bytes"):
-        more += " or a higher --gpu-memory-utilization"
-    return Fix(["--max-model-len", str(length)], explain=why + [more])
+    if facts.arg("kv_cache_memory_bytes"):  # a pinned cache: the pin is what to raise
+        why.append(f"or keep {asked:,} tokens with --kv-cache-memory-bytes "
+                   f"{_needed_bytes(n, facts):d}, if the device has that much beside the "
+                   "weights (`vlaunch doctor LOG MODEL --gpus ...` checks it)")
+    return Fix(["--max-model-len", str(length)], explain=why)
 
 
 def _needed_bytes(n: dict[str, Any], facts: Facts) -> int:
@@ -114,10 +121,9 @@ def _fix_free_memory(d: Diagnosis, facts: Facts) -> Fix:
     if util <= 0.05:
         return Fix(explain=why + ["too little is free for any utilization: stop the other "
                                   "process or use another GPU"])
-    asked = n.get("util") or n.get("util2")
     return Fix(["--gpu-memory-utilization", f"{util:.2f}"],
-               explain=why + [f"--gpu-memory-utilization {asked} asks for "
-                              f"{n.get('requested') or n.get('requested2')} GiB; {util:.2f} is "
+               explain=why + [f"--gpu-memory-utilization {n.get('util')} asks for "
+                              f"{n.get('requested')} GiB; {util:.2f} is "
                               "at most free/total, less 1%", "or free the GPU: nvidia-smi "
                               "shows the other process"])
 
@@ -233,7 +239,7 @@ def _fix_port(d: Diagnosis, facts: Facts) -> Fix:
 
 def _fix_max_len(d: Diagnosis, facts: Facts) -> Fix:
     n = d.numbers
-    return Fix(["--max-model-len", n["derived"]],
+    return Fix(["--max-model-len", str(n["derived"])],
                explain=[f"the model's config allows {int(n['derived']):,} tokens "
                         f"({n['key']}); {int(n['asked']):,} was asked"])
 
@@ -336,11 +342,26 @@ def _log_args(facts: Facts) -> list[str]:
     for key, value in facts.args.items():
         if key in ("model", "model_tag", "port"):
             continue  # the model goes first; vlaunch serve picks a free port unless fixed
-        if value is True:
+        if key in SECRET_ARGS:  # never replay a secret from the log: name its variable
+            out += [_flag(key), _SECRET_MARK + SECRET_ARGS[key]]
+        elif value is True:
             out.append(_flag(key))
         elif isinstance(value, (str, int, float)) and value is not False:
             out += [_flag(key), str(value)]
     return out
+
+
+# vLLM arguments whose values are secrets, and the environment variable a command reads
+# instead (vLLM itself reads VLLM_API_KEY; huggingface_hub reads HF_TOKEN).
+SECRET_ARGS = {"api_key": "VLLM_API_KEY", "hf_token": "HF_TOKEN"}
+_SECRET_MARK = "\0env:"
+
+
+def shell_join(words: list[str]) -> str:
+    """`shlex.join`, except that a secret's placeholder becomes "$VARIABLE" (expanded by the
+    shell that runs the command, so the value never appears in the doctor's output)."""
+    return " ".join(f'"${w[len(_SECRET_MARK):]}"' if w.startswith(_SECRET_MARK)
+                    else shlex.quote(w) for w in words)
 
 
 def _override(args: list[str], fix: list[str]) -> list[str]:
@@ -358,7 +379,7 @@ def serve_command_from_log(facts: Facts, fix: Fix) -> str | None:
     pins, rest = _split_pins(args)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in fix.env.items())
     cmd = ["vlaunch", "serve", str(model), *pins] + (["--", *rest] if rest else [])
-    return (env + " " if env else "") + shlex.join(cmd)
+    return (env + " " if env else "") + shell_join(cmd)
 
 
 def _split_pins(args: list[str]) -> tuple[list[str], list[str]]:
@@ -376,7 +397,7 @@ def _split_pins(args: list[str]) -> tuple[list[str], list[str]]:
     return pins, rest
 
 
-# --- fixes computed by the planner -------------------------------------------------------------
+# --- fixes checked by the planner --------------------------------------------------------------
 
 
 @dataclass
@@ -388,6 +409,8 @@ class PlanContext:
     pins: Any
     plan: Any
     gpus: str  # the --gpus value that reproduces `hardware` on the command line
+    goals: dict[str, Any] = field(default_factory=dict)
+    source: str = "model"  # "model" (MODEL --gpus), "plan" (--plan) or "log" (what it says)
 
 
 def context_from_plan(d: dict[str, Any]) -> PlanContext:
@@ -395,14 +418,98 @@ def context_from_plan(d: dict[str, Any]) -> PlanContext:
     spec, hw, pins = inputs_from_plan(d)
     g = d["gpus"]
     gpus = "cpu" if g["platform"] == "cpu" else f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}"
-    return PlanContext(spec, hw, pins, make_plan(spec, hw, pins), gpus)
+    return PlanContext(spec, hw, pins, make_plan(spec, hw, pins), gpus, source="plan")
 
 
 def context_from_model(model: str, gpus: str | None, pins: Any, goals: dict[str, Any],
                        hardware: Any) -> PlanContext:
     spec = load_model(model)
     plan = make_plan(spec, hardware, pins, **goals)
-    return PlanContext(spec, hardware, pins, plan, gpus or "")
+    return PlanContext(spec, hardware, pins, plan, gpus or "", goals, "model")
+
+
+def context_from_log(report: Report) -> PlanContext | None:
+    """What the log itself says about the launch (its model, the device's memory, the engine
+    it ran on), when that is enough to plan; None otherwise. The model must be a profile or a
+    local folder (nothing is downloaded) and the device size printed by vLLM."""
+    facts = report.facts
+    model = facts.arg("model") or facts.arg("model_tag")
+    if not isinstance(model, str):
+        return None
+    world = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = facts.arg(key)
+        world *= value if isinstance(value, int) and value > 0 else 1
+    total = next((d.numbers.get("total") for d in report.diagnoses
+                  if isinstance(d.numbers.get("total"), (int, float))), None)
+    if facts.cpu:
+        gpus = "cpu"
+    elif total:
+        gpus = f"{world}x{total:g}GiB"
+    else:
+        return None
+    try:
+        spec = load_model(model)
+        hw = parse_gpus(gpus)
+        pins = Pins()
+        return PlanContext(spec, hw, pins, None, gpus, source="log")
+    except InputError:
+        return None
+
+
+# The failed launch's vLLM arguments ("non-default args") that are planner pins.
+_ARG_PINS = {"max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
+             "kv_cache_dtype": "kv_cache_dtype", "tensor_parallel_size": "tp",
+             "pipeline_parallel_size": "pp", "data_parallel_size": "dp",
+             "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+             "kv_cache_memory_bytes": "kv_cache_memory_bytes", "enforce_eager": "enforce_eager"}
+_FLAG_PINS = {_flag(k): v for k, v in _ARG_PINS.items()}
+_FLAG_PINS.update({"--tp": "tp", "--pp": "pp", "--dp": "dp"})
+
+
+def launch_pins(ctx: PlanContext, facts: Facts) -> Any:
+    """The pins of the launch that failed: the context's, with every setting the log shows it
+    ran with (its "non-default args", the max model len it used, its vLLM version) on top, so
+    a fix is checked against what really ran, not against what the planner would choose."""
+    changes: dict[str, Any] = {}
+    for key, pin in _ARG_PINS.items():
+        value = facts.arg(key)
+        if value is not None and value is not False:
+            changes[pin] = value
+    used = facts.number("max_model_len")
+    if "max_model_len" not in changes and used and ctx.pins.max_model_len is None:
+        changes["max_model_len"] = int(used)
+    version = facts.numbers.get("vllm_version")
+    if isinstance(version, str) and ctx.pins.vllm_version is None:
+        changes["vllm_version"] = version.split("+")[0]
+    pins = dataclasses.replace(ctx.pins, **changes)
+    try:
+        pins.validate()
+    except InputError:
+        return ctx.pins
+    return pins
+
+
+def _with_flags(pins: Any, args: list[str]) -> Any | None:
+    """`pins` with a fix's vLLM flags applied; None when a flag is not a planner decision."""
+    changes: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        name = args[i]
+        pin = _FLAG_PINS.get(name)
+        value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+        i += 2 if value is not None else 1
+        if pin is None:
+            return None
+        if pin == "enforce_eager":
+            changes[pin] = True
+        elif pin in ("gpu_memory_utilization",):
+            changes[pin] = float(value or 0)
+        elif pin == "kv_cache_dtype":
+            changes[pin] = value
+        else:
+            changes[pin] = int(value or 0)
+    return dataclasses.replace(pins, **changes)
 
 
 def _failure_of(d: Diagnosis) -> Any:
@@ -410,47 +517,48 @@ def _failure_of(d: Diagnosis) -> Any:
     return to_failure(d)
 
 
-def _replanned_pins(d: Diagnosis, ctx: PlanContext) -> tuple[Any, str] | None:
+def _candidates(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> Iterator[
+        tuple[Any, str]]:
+    """Pins that might fix the failure, best first: the log's own fix, vLLM's measured
+    re-plan, then the planner's own choice of the decision the failure is about."""
+    if d.fix_args:
+        fixed = _with_flags(pins, d.fix_args)
+        if fixed is not None:
+            yield fixed, "the log's fix"
+    if plan is not None:
+        got = _replanned(d, ctx, pins, plan)
+        if got is not None:
+            yield got
+    if d.cause in ("kv_cache_too_small", "no_kv_cache_memory"):
+        if pins.gpu_memory_utilization is not None and pins.kv_cache_memory_bytes is None \
+                and not ctx.hardware.is_cpu:
+            yield (dataclasses.replace(pins, gpu_memory_utilization=None),
+                   "the planner's utilization for this context")
+        if pins.max_model_len is not None:
+            yield (dataclasses.replace(pins, max_model_len=None),
+                   "the longest context the planner fits")
+    if d.cause in ("cuda_oom", "sampler_warmup_oom") and pins.max_num_seqs is not None:
+        yield dataclasses.replace(pins, max_num_seqs=None), "the planner's --max-num-seqs"
+
+
+def _replanned(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> tuple[Any, str] | None:
     """New pins for the failure, from what the log measured; None when no pin helps."""
-    pins = ctx.pins
     if d.cause in ("kv_cache_too_small", "free_memory_below_utilization"):
-        return replan_pins(pins, ctx.plan, _failure_of(d))
+        return replan_pins(pins, plan, _failure_of(d))
     if d.cause in ("cuda_oom", "no_kv_cache_memory") and d.consumer == "weights":
         return None
     if d.cause in ("cuda_oom", "no_kv_cache_memory") and d.consumer == "cuda_graphs" \
             and not ctx.hardware.is_cpu:
         return (dataclasses.replace(pins, enforce_eager=True),
                 "CUDA graphs are the item that does not fit: run eager")
-    if d.cause in ("cuda_oom", "no_kv_cache_memory", "sampler_warmup_oom"):
-        return replan_pins(pins, ctx.plan, dataclasses.replace(_failure_of(d),
-                                                               kind="DEVICE_OOM"))
+    if d.cause in ("cuda_oom", "sampler_warmup_oom"):
+        return replan_pins(pins, plan, dataclasses.replace(_failure_of(d), kind="DEVICE_OOM"))
     if d.cause in ("kv_cache_dtype_unsupported", "invalid_kv_cache_dtype"):
         return (dataclasses.replace(pins, kv_cache_dtype="auto"), "KV cache in the model dtype")
     if d.cause == "max_model_len_exceeds_model":
         return (dataclasses.replace(pins, max_model_len=int(d.numbers["derived"])),
                 "the model's own context")
     return None
-
-
-def _diff(old: list[str], new: list[str]) -> list[str]:
-    """The flags of `new` whose values differ from `old` (what the fix changes)."""
-    def flags(args: list[str]) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        name = None
-        for a in args:
-            if a.startswith("--"):
-                name = a
-                out[name] = []
-            elif name is not None:
-                out[name].append(a)
-        return out
-
-    before, after = flags(old), flags(new)
-    changed: list[str] = []
-    for name, values in after.items():
-        if before.get(name) != values:
-            changed += [name, *values]
-    return changed
 
 
 _PIN_FLAGS = {"max_model_len": "--max-model-len", "kv_cache_dtype": "--kv-cache-dtype",
@@ -461,54 +569,84 @@ _PIN_FLAGS = {"max_model_len": "--max-model-len", "kv_cache_dtype": "--kv-cache-
               "enforce_eager": "--enforce-eager"}
 
 
-def _changed_flags(old: Any, new: Any, args: list[str]) -> list[str]:
-    """The new plan's flags for the pins the fix changed (when the old plan had no args to
-    compare with: it did not fit, e.g. the context that failed was the user's own)."""
+def _changed_flags(old: Any, new: Any, settled: Any) -> list[str]:
+    """The vLLM flags of the decisions the fix changed (`old` -> `new`, a pin set or released
+    to the planner), each with the value of the plan that was checked (`settled`)."""
     out: list[str] = []
     for name, flag in _PIN_FLAGS.items():
-        if getattr(old, name) == getattr(new, name) or flag not in args:
+        value = getattr(settled, name)
+        if getattr(old, name) == getattr(new, name) or value is None or value is False:
             continue
-        i = args.index(flag)
-        value = args[i + 1:i + 2] if i + 1 < len(args) and not args[i + 1].startswith("--") \
-            else []
-        out += [flag, *value]
+        out += [flag] if value is True else [flag, _fmt(name, value)]
     return out
 
 
+def _fmt(name: str, value: Any) -> str:
+    return f"{value:.2f}" if name == "gpu_memory_utilization" else str(value)
+
+
+def _plan(ctx: PlanContext, pins: Any) -> Any | None:
+    try:
+        return make_plan(ctx.spec, ctx.hardware, pins, **ctx.goals)
+    except InputError:
+        return None
+
+
+_PLANNED_CAUSES = {"kv_cache_too_small", "no_kv_cache_memory", "free_memory_below_utilization",
+                   "cuda_oom", "sampler_warmup_oom", "kv_cache_dtype_unsupported",
+                   "invalid_kv_cache_dtype", "max_model_len_exceeds_model", "tp_not_divisible"}
+
+
 def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
-    """Re-plan each memory failure with what the log measured; the fix is the plan's changed
-    flags and the `vlaunch serve` command pins the new decisions."""
-    old = ctx.plan.vllm_args()
+    """Run every fix through the planner with the failed launch's own settings: the first
+    candidate (the log's fix, the measured re-plan, the planner's own choice) that the
+    planner says fits becomes the fix, and the `fix:` flags and the `run:` command come from
+    the same pins. A fix the planner says will not fit is never shown."""
+    pins = launch_pins(ctx, report.facts)
+    failed = _plan(ctx, pins)
     for d in report.diagnoses:
-        got = _replanned_pins(d, ctx)
-        if got is None:
+        if d.cause not in _PLANNED_CAUSES:
             continue
-        pins, why = got
-        try:
-            plan = make_plan(ctx.spec, ctx.hardware, pins)
-        except InputError as e:
-            d.explain.append(f"the planner could not re-plan: {e}")
-            continue
-        if not plan.fits:
-            d.explain.append(f"re-planned ({why}) but it does not fit: {plan.chosen.problem}")
-            continue
-        new = plan.vllm_args()
-        changed = (_diff(old, new) if old else []) or _changed_flags(ctx.pins, pins, new)
-        d.fix_args = changed or d.fix_args
-        d.explain.insert(0, f"re-planned by vlaunch's planner with what the log measured: {why}")
-        d.serve_command = serve_command_from_pins(ctx, _settled(pins, plan), d.fix_env)
+        refused: list[str] = []
+        for new, why in _candidates(d, ctx, pins, failed):
+            plan = _plan(ctx, new)
+            if plan is None or not plan.fits:
+                if plan is not None and why == "the log's fix":
+                    refused.append(f"the log's fix ({shlex.join(d.fix_args)}) does not fit by "
+                                   f"vlaunch's planner: {plan.chosen.problem}")
+                continue
+            settled = _settled(new, plan)
+            d.fix_args = _changed_flags(pins, new, settled)
+            d.explain = ([f"checked by vlaunch's planner ({_SOURCES[ctx.source]}): {why}"]
+                         + refused + d.explain)
+            d.serve_command = serve_command_from_pins(ctx, settled, d.fix_env)
+            break
+        else:
+            d.explain = refused + d.explain + [
+                "vlaunch's planner found no fix that fits this model on this hardware with "
+                "these settings"]
+            d.fix_args, d.serve_command = [], None
+
+
+_SOURCES = {"model": "the model and GPUs given", "plan": "the plan given",
+            "log": "the model, memory and vLLM version the log shows"}
 
 
 def _settled(pins: Any, plan: Any) -> Any:
     """The pins with each pinned decision set to what the plan made of it (the planner may
-    raise --max-num-batched-tokens to the context on CPU), so the command matches the fix."""
+    raise --max-num-batched-tokens to the context on CPU), and every decision the fix leaves
+    to the planner pinned to the plan's choice, so the command runs exactly the checked plan."""
     c = plan.chosen
     made = {"tp": c.layout.tp, "pp": c.layout.pp, "dp": c.layout.dp,
             "max_model_len": c.max_model_len, "kv_cache_dtype": c.kv_dtype,
             "gpu_memory_utilization": round(c.utilization, 2), "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens}
-    return dataclasses.replace(pins, **{k: v for k, v in made.items()
-                                        if getattr(pins, k) is not None})
+    keep = {k: v for k, v in made.items() if getattr(pins, k) is not None}
+    for name in ("max_model_len", "gpu_memory_utilization"):  # the decisions fixes are about
+        keep.setdefault(name, made[name])
+    if pins.kv_cache_memory_bytes is not None:
+        keep.pop("gpu_memory_utilization", None)
+    return dataclasses.replace(pins, **keep)
 
 
 def serve_command_from_pins(ctx: PlanContext, pins: Any, env: dict[str, str]) -> str:
@@ -519,7 +657,7 @@ def serve_command_from_pins(ctx: PlanContext, pins: Any, env: dict[str, str]) ->
                  "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(pins, name)
         if value is not None:
-            args += [_flag(name), str(value)]
+            args += [_flag(name), _fmt(name, value)]
     if pins.enforce_eager:
         args.append("--enforce-eager")
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
@@ -542,8 +680,14 @@ def diagnose(source: str, ctx: PlanContext | None = None,
     """Read a log (file, folder or "-"), diagnose it, and compute each fix."""
     report, names = scan_source(source, stdin)
     apply_log_fixes(report)
+    ctx = ctx or context_from_log(report)
     if ctx is not None:
         apply_plan_fixes(report, ctx)
+    else:
+        for d in report.diagnoses:
+            if d.fix_args and d.cause in _PLANNED_CAUSES:
+                d.explain.append("not checked by vlaunch's planner: pass MODEL --gpus ... or "
+                                 "--plan to check this fix fits")
     return report, names
 
 

@@ -30,6 +30,7 @@ from .capabilities import (
     default_vllm_version,
     fp8_kv_support,
     gate_reason,
+    head_size_support,
     version_traits,
 )
 from .perfplan import FP8_MARGIN
@@ -524,6 +525,8 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     tokens = cap.tokens
     problem = ""
     runs, why = attention_support(hw, spec.attention)
+    if runs:
+        runs, why = head_size_support(hw, spec.attention, spec.head_dim)
     if not runs:
         problem = why
     elif min(avail) <= 0:

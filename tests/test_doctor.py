@@ -78,6 +78,17 @@ EXPECTED: dict[str, tuple[str, str, str, list[str] | None, dict[str, str]]] = {
     "engine_ready_timeout.log": ("engine_ready_timeout", "loading_weights", "none", [], {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}),
     "max_len_exceeds_model.log": ("max_model_len_exceeds_model", "starting", "none", ["--max-model-len", "163840"], {}),
     "tp_not_divisible.log": ("tp_not_divisible", "starting", "none", ["--tensor-parallel-size", "8"], {}),
+    # V0 (0.6.0 to 0.10.x, worker/worker.py raise_if_cache_size_invalid): tokens, not GiB
+    "kv_short_v06_tokens.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "40624"], {}),
+    # 0.8.5 prints "Based on the available memory," and loses the estimate: 40960 x 4.32/5.62, less 2%
+    "kv_short_v085_lost_estimate.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "30855"], {}),
+    "oom_pooler_warmup.log": ("sampler_warmup_oom", "profiling", "activations", ["--max-num-seqs", "128"], {}),
+    # NCCL's own WARN lines (src/misc/shmutils.cc, transport/net_ib.cc, misc/socket.cc, CUDACHECK)
+    "nccl_shm_container.log": ("nccl_shared_memory", "starting", "none", [], {}),
+    "nccl_peer_access.log": ("nccl_peer_access", "starting", "none", ["--disable-custom-all-reduce"], {"NCCL_P2P_DISABLE": "1"}),
+    "nccl_ib_completion.log": ("nccl_infiniband", "loading_weights", "none", [], {}),
+    "nccl_socket_closed.log": ("nccl_socket", "starting", "none", [], {}),
+    "cpu_head_dim16.log": ("cpu_attention_head_size", "serving", "none", [], {}),
 }
 
 # name: a piece of the error line that must be in the evidence.
@@ -128,7 +139,9 @@ def test_fixture_diagnosis(name: str):
     assert d.evidence and d.explain
     # a fix with flags comes with the `vlaunch serve` command that applies it
     if d.fix_args and report.facts.arg("model"):
-        assert d.serve_command and d.serve_command.startswith("vlaunch serve ")
+        assert d.serve_command and "vlaunch serve " in d.serve_command
+        env = " ".join(f"{k}={v}" for k, v in d.fix_env.items())
+        assert d.serve_command.startswith((env + " vlaunch serve ") if env else "vlaunch serve ")
         for flag in d.fix_args[::2]:
             assert doctor._VLAUNCH_PINS.get(flag, flag) in d.serve_command
 
@@ -498,3 +511,112 @@ def test_failure_classification_sits_below_run_and_observe():
     for path in (root / "observe").glob("*.py"):
         assert "launcher.run.serve" not in [m for m, _ in _imports(path)], path
     assert "launcher.observe.doctor" not in [m for m, _ in _imports(root / "run" / "vllmlog.py")]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, v in EXPECTED.items()
+                                         if v[0] in vf._NCCL_SPECIFIC))
+def test_nccl_evidence_starts_with_the_line_that_says_why(name):
+    """The first evidence line is the WARN/ERROR line that names the failure, never a quoted
+    `raise` source line; NCCL's own WARN line beats torch's "NCCL error" summary."""
+    d = _diagnose(name).root
+    first = d.evidence[0]
+    assert "NCCL WARN" in first, d.evidence
+    assert not any(e.split("] ", 1)[-1].lstrip().startswith("raise ") for e in d.evidence)
+    assert d.explain and all("no vLLM flag fixes it" not in x for x in d.explain)
+
+
+def test_shared_memory_advice_matches_vlaunchs_own_manifests():
+    """The doctor tells a pod to mount a memory emptyDir at /dev/shm "as vlaunch's manifests
+    do": each manifest it names must really mount one."""
+    import yaml
+
+    root = Path(__file__).parents[1]
+    for rel in doctor.SHM_MANIFESTS:
+        docs = [d for d in yaml.safe_load_all((root / rel).read_text()) if d]
+        text = json.dumps(docs)
+        assert '"mountPath": "/dev/shm"' in text, rel
+        assert '"medium": "Memory"' in text, rel
+    d = _diagnose("nccl_shm_container.log").root
+    assert d.ranks == 2 and any("--shm-size" in x for x in d.explain)
+    assert any("medium: Memory" in x and "/dev/shm" in x for x in d.explain)
+    assert d.numbers["size"] == 9637892 and d.numbers["segment"].startswith("/dev/shm/nccl-")
+
+
+def test_the_planner_refuses_a_head_size_the_cpu_backend_lacks(tmp_path):
+    """A tiny Llama with head size 16 plans on a GPU and is refused on CPU, naming the sizes
+    vLLM's CPU attention backend supports; the supported list is the one in vLLM's source."""
+    from launcher.inputs.model import load_model
+    from launcher.predict import capabilities
+    from launcher.predict.planner import make_plan
+
+    for head_dim in (16, 32, 48, 64, 128):
+        cfg = {"model_type": "llama", "hidden_size": 4 * head_dim, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256,
+               "vocab_size": 512, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        spec = load_model(str(tmp_path))
+        cpu = make_plan(spec, parse_gpus("cpu"), Pins())
+        supported = head_dim in capabilities.CPU_ATTENTION_HEAD_SIZES["gqa"][1]
+        assert cpu.fits == supported, (head_dim, cpu.chosen.problem)
+        if not supported:
+            assert f"head size {head_dim}" in cpu.chosen.problem and "32, 64, 80" in cpu.chosen.problem
+        assert make_plan(spec, parse_gpus("1xL4"), Pins()).fits
+    src = Path(capabilities.__file__).parents[2]  # the vLLM source, when installed here
+    import importlib.util
+
+    spec_v = importlib.util.find_spec("vllm")
+    if spec_v and spec_v.origin:
+        text = (Path(spec_v.origin).parent / "v1/attention/backends/cpu_attn.py").read_text()
+        listed = text.split("def get_supported_head_sizes", 1)[1].split("return", 1)[1]
+        assert listed.split("]")[0].strip(" [") == ", ".join(
+            map(str, capabilities.CPU_ATTENTION_HEAD_SIZES["gqa"][1]))
+    assert src.exists()
+
+
+def test_only_regular_vllm_logs_are_read(tmp_path: Path):
+    """/dev/zero never ends and a FIFO blocks: both are refused before a byte is read; a file
+    that is not a vLLM log (random bytes, an os-release) gets the folder scan's rule: exit 2,
+    one line, never "no failure found"."""
+    import os
+    import random
+
+    fifo = tmp_path / "pipe.log"
+    os.mkfifo(fifo)
+    noise = tmp_path / "noise.log"
+    noise.write_bytes(random.Random(7).randbytes(200_000).replace(b"vllm", b"xxxx"))
+    release = tmp_path / "os-release"
+    release.write_text('NAME="Debian GNU/Linux"\nVERSION_ID="12"\nID=debian\n')
+    for path, message in ((Path("/dev/zero"), "not a regular file"), (fifo, "not a regular file"),
+                          (noise, "not a vLLM log"), (release, "not a vLLM log")):
+        r = CliRunner().invoke(cli, ["doctor", str(path)])
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.output
+    r = CliRunner().invoke(cli, ["doctor", "-"], input=release.read_text())
+    assert r.exit_code == 2 and "not a vLLM log" in r.output
+
+
+def test_a_log_bigger_than_the_cap_is_read_from_its_tail(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(vf, "MAX_BYTES", 4096)
+    log = tmp_path / "vllm.log"
+    head = (FIXTURES / "kv_short_v032_cpu.log").read_text()
+    filler = "(APIServer pid=1) INFO 11-30 10:00:00 [x.py:1] vllm says hello\n" * 500
+    log.write_text(head + filler + (FIXTURES / "nccl_socket_closed.log").read_text())
+    report = vf.scan_source(str(log))[0]
+    assert report.lines < 200 and report.root.cause == "nccl_socket"
+
+
+def test_evidence_escapes_control_characters_and_hides_secrets(tmp_path: Path):
+    evil = "\x1b]0;owned\x07\x1b[2J"
+    log = _write_log(tmp_path, {"model": "qwen3-8b", "api_key": "sk-live-123",
+                                "hf_token": "hf_abc", "max_model_len": 40960},
+                     f"ValueError: No available memory for the cache blocks.{evil} "
+                     "args: {'api_key': 'sk-live-123'}")
+    for fmt in ("text", "json"):
+        r = CliRunner().invoke(cli, ["doctor", str(log), "--format", fmt])
+        assert r.exit_code == 1, r.output
+        assert "\x1b" not in r.output and "\x07" not in r.output
+        assert "sk-live-123" not in r.output and "hf_abc" not in r.output
+    r = CliRunner().invoke(cli, ["doctor", str(log)])
+    assert "\\x1b]0;owned\\x07" in r.output
+    run = next(x for x in r.output.splitlines() if x.strip().startswith("run:"))
+    assert '--api-key "$VLLM_API_KEY"' in run and '--hf-token "$HF_TOKEN"' in run

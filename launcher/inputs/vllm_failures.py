@@ -63,9 +63,13 @@ _PREFIX = re.compile(
     r"(?:\[[\w.:-]*\]|[\w.-]+:\d+\])\s?)?"
 )
 _QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")
+_NCCL = re.compile(r"^([\w.-]+):(\d+):\d+ \[\d+\] NCCL ")
 # uvicorn's own "INFO:     Started server process" / "WARNING:  ..." lines.
 # Indented text, after vLLM's prefix or at the start: a traceback frame or source line.
 _INDENTED = re.compile(r"^\s|\] \s")
+# Python source as a traceback quotes it: a statement, a call, a string literal.
+_SOURCE = re.compile(r"(?:raise|assert|return|File|if|elif|with|for|yield|await)\b|[fr]?[\"'(\[]"
+                     r"|[\w.]+\s*(?:=|\()|\^|~")
 _UVICORN_QUIET = re.compile(r"^(?:INFO|DEBUG|WARNING):\s")
 # An exception line: "ValueError: ...", "torch.OutOfMemoryError: ...", "OSError: [Errno 98] ...".
 _EXCEPTION = re.compile(r"^((?:[\w]+\.)*[A-Z]\w*(?:Error|Exception|Exit|Timeout))(?::\s?(.*))?$")
@@ -113,6 +117,8 @@ def split_line(number: int, raw: str) -> Line:
         if m.group("pid"):
             rank += f":{m.group('pid')}"
     content = text[m.end():] if m else text
+    if rank is None and " NCCL " in text and (n := _NCCL.match(text)):
+        rank = f"{n.group(1)}:{n.group(2)}"  # NCCL's own "host:pid:tid [dev] NCCL WARN ..."
     stripped = content.strip()
     return Line(number, text, stripped, rank, m.group("level") if m else None,
                 content[:1].isspace(), bool(_WRAPPER.search(stripped)))
@@ -453,6 +459,7 @@ RULES: tuple[Rule, ...] = (
         "none", "OTHER", "argparse in vLLM's CLI (engine/arg_utils.py)", phase="starting"),
 )
 _RULE_BY_CAUSE = {r.cause: r for r in RULES}
+_NCCL_SPECIFIC = {"nccl_shared_memory", "nccl_peer_access", "nccl_infiniband", "nccl_socket"}
 # One cheap pre-check before the per-rule patterns: a line without any of these words cannot
 # match a rule (keeps a 50,000-line log well under a second).
 _RULE_HINT = re.compile(
@@ -594,7 +601,9 @@ def _rank_count(ranks: set[str]) -> int:
     """Distinct processes that failed this way; the API server and unprefixed lines (which echo
     an engine's error) count only when no engine or worker reported it."""
     named = {r for r in ranks if r and not r.startswith("APIServer")}
-    return max(1, len(named))
+    # one process, two names: vLLM's "Worker_TP0:300" and NCCL's "host:300" (by process id)
+    return max(1, len({r.rsplit(":", 1)[-1] if r.rsplit(":", 1)[-1].isdigit() else r
+                       for r in named}))
 
 
 @dataclass
@@ -650,8 +659,12 @@ class Scanner:
             elif _has_context(raw):
                 self._context(raw)
             return
-        if _INDENTED.search(raw) is not None and _RULE_HINT.search(raw) is None:
-            return  # a traceback's frame or source line: neither an error message nor a marker
+        if _INDENTED.search(raw) is not None and (
+                _RULE_HINT.search(raw) is None or _SOURCE.match(raw.split("] ", 1)[-1].strip())):
+            # A traceback's frame or source line ("    raise ValueError(...)"): neither an
+            # error message nor a marker; the message itself follows as "ValueError: ...".
+            # An indented message (pydantic's "  Value error, ...") still counts.
+            return
         line = split_line(self.count, raw)
         content = line.content
         if not content:
@@ -712,7 +725,16 @@ class Scanner:
             self.unknown_tail.append(line)
 
     def report(self) -> Report:
-        diagnoses = [self._diagnosis(h) for h in sorted(self.hits.values(), key=_order)]
+        hits = dict(self.hits)
+        specific = [h for h in hits.values() if h.rule.cause in _NCCL_SPECIFIC]
+        if specific:  # NCCL's own WARN line says why; torch's "NCCL error" only that it failed
+            for key in [k for k, h in hits.items() if h.rule.cause == "nccl_error"]:
+                generic = hits.pop(key)
+                first = min(specific, key=lambda h: h.first_line)
+                first.first_line = min(first.first_line, generic.first_line)
+                first.ranks |= generic.ranks
+                first.wrapped_only = first.wrapped_only and generic.wrapped_only
+        diagnoses = [self._diagnosis(h) for h in sorted(hits.values(), key=_order)]
         if not diagnoses and (self.unknown or self.unknown_tail):
             diagnoses = [self._unknown()]
         return Report(diagnoses, self.phase, self.facts, self.count, max(1, self.launches))

@@ -28,6 +28,7 @@ from ..errors import InputError
 from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
 from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_text, to_failure
+from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
 from ..predict.planner import Pins, inputs_from_plan, make_plan
 from ..predict.replan import merge_args, replan_pins
 
@@ -265,6 +266,63 @@ def _explain_only(text: str) -> Callable[[Diagnosis, Facts], Fix]:
     return fix
 
 
+# vlaunch's own manifests mount a memory-backed /dev/shm (tests/test_doctor.py checks they still
+# do, so this advice cannot go stale).
+SHM_MANIFESTS = ("deploy/kubernetes/base/deployment.yaml",
+                 "deploy/kubernetes/overlays/deepseek-r1-2x8xh100/leaderworkerset.yaml")
+
+
+def _fix_nccl_shm(d: Diagnosis, facts: Facts) -> Fix:
+    size = d.numbers.get("size")
+    where = d.numbers.get("segment") or "/dev/shm"
+    need = f" ({size / (1 << 20):.1f} MiB for {where})" if isinstance(size, int) else ""
+    return Fix(explain=[
+        f"NCCL could not create its shared-memory segment{need}: /dev/shm is full or too "
+        "small (a container gets 64 MiB unless told otherwise)",
+        "docker/podman: run with --shm-size=16g (or --ipc=host)",
+        "Kubernetes: mount an emptyDir {medium: Memory, sizeLimit: 16Gi} at /dev/shm; "
+        "vlaunch's manifests already do (" + ", ".join(SHM_MANIFESTS) + "), so a pod without "
+        "it was not made from them",
+        "no vLLM flag changes this; NCCL_SHM_DISABLE=1 avoids /dev/shm at a speed cost"])
+
+
+def _fix_nccl_p2p(d: Diagnosis, facts: Facts) -> Fix:
+    return Fix(["--disable-custom-all-reduce"], env={"NCCL_P2P_DISABLE": "1"}, explain=[
+        "the GPUs cannot map each other's memory (peer access: no NVLink/PCIe P2P between them, "
+        "IOMMU or ACS on, or a VM that hides it); NCCL_P2P_DISABLE=1 makes NCCL go through "
+        "host memory and --disable-custom-all-reduce stops vLLM's own P2P all-reduce",
+        "`nvidia-smi topo -p2p r` shows which pairs support it"])
+
+
+def _fix_nccl_ib(d: Diagnosis, facts: Facts) -> Fix:
+    return Fix(explain=[
+        "NCCL's InfiniBand/RoCE transport failed between nodes: check the links (`ibstat`, "
+        "`ibv_devinfo`: State Active), that NCCL_IB_HCA names the cabled adapters, and on RoCE "
+        "NCCL_IB_GID_INDEX (often 3); in Kubernetes the pod needs the RDMA device resources",
+        "to confirm it is the fabric: NCCL_IB_DISABLE=1 falls back to TCP sockets (much "
+        "slower); no vLLM flag changes the transport"])
+
+
+def _fix_nccl_socket(d: Diagnosis, facts: Facts) -> Fix:
+    return Fix(explain=[
+        "NCCL's TCP connection between ranks failed or found no interface: set "
+        "NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME) to the interface the nodes reach each "
+        "other on (`ip -br addr`; e.g. eth0, not lo or docker0), and open the ports between "
+        "them (a NetworkPolicy or firewall drops them)",
+        "the first rank that lost its peer is usually not the one that failed: read every "
+        "node's log (vlaunch doctor on each)"])
+
+
+def _fix_head_size(d: Diagnosis, facts: Facts) -> Fix:
+    backend, sizes = CPU_ATTENTION_HEAD_SIZES["gqa"]
+    return Fix(explain=[
+        f"vLLM's CPU attention backend ({backend}) takes head sizes "
+        f"{', '.join(map(str, sizes))}; this model's is {d.numbers.get('head_dim')}, so the "
+        "engine starts and fails at its first request",
+        "no flag changes a model's head size: serve it on a GPU, or a model whose head size is "
+        "in the list (`vlaunch plan MODEL --gpus cpu` refuses one that is not)"])
+
+
 _LOG_FIXES: dict[str, Callable[[Diagnosis, Facts], Fix]] = {
     "kv_cache_too_small": _fix_kv_short,
     "free_memory_below_utilization": _fix_free_memory,
@@ -286,8 +344,13 @@ _LOG_FIXES: dict[str, Callable[[Diagnosis, Facts], Fix]] = {
         "a collective timed out: a rank stalled or the network hiccuped; transient, so the "
         "same flags may be retried once; NCCL_DEBUG=INFO shows which rank"),
     "nccl_error": _explain_only(
-        "NCCL failed between ranks (often /dev/shm too small in a container, or the "
-        "interconnect); rerun with NCCL_DEBUG=INFO; no vLLM flag fixes it"),
+        "NCCL failed between ranks and printed no line naming why (its WARN lines name /dev/shm,"
+        " InfiniBand, sockets or peer access); rerun with NCCL_DEBUG=WARN to see them"),
+    "nccl_shared_memory": _fix_nccl_shm,
+    "nccl_peer_access": _fix_nccl_p2p,
+    "nccl_infiniband": _fix_nccl_ib,
+    "nccl_socket": _fix_nccl_socket,
+    "cpu_attention_head_size": _fix_head_size,
     "quantization_unsupported": _explain_only(
         "this GPU (capability {cur}) is below what the {method} kernels need ({min}): use a "
         "checkpoint in another quantization or a newer GPU"),

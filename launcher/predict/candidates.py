@@ -24,6 +24,7 @@ from .capabilities import (
     block_size,
     cpu_resets_ssm_dtype,
     gate_reason,
+    head_size_support,
 )
 
 CUDA_CONTEXT_BYTES = 600 * MiB
@@ -332,6 +333,8 @@ def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, uti
     tokens = cap.tokens
     problem = ""
     runs, why = attention_support(hw, spec.attention)
+    if runs:
+        runs, why = head_size_support(hw, spec.attention, spec.head_dim)
     if not runs:
         problem = why
     elif min(avail) <= 0:

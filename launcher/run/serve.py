@@ -36,9 +36,12 @@ from typing import Any
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
+from ..inputs.vllm_failures import classify
+from ..observe.doctor import explain_log
 from ..predict.budget import GiB
 from ..predict.capabilities import lesson_key, record_lesson
 from ..predict.planner import Pins, Plan, make_plan
+from ..predict.replan import merge_args, replan_pins
 from ..render import plan_text
 from . import vllmlog
 from .runner import (
@@ -59,34 +62,6 @@ STARTUP_BYTES_PER_SECOND = 200 * (1 << 20)
 DeepSeek-V3 FP8 load is given about an hour. A hang past it is a failure, not a wait."""
 
 
-def merge_args(planned: list[str], extra: list[str]) -> tuple[list[str], list[str]]:
-    """The plan's vLLM args with the user's extra args on top: a user's flag replaces the plan's
-    flag of the same name. Returns (args, one note per overridden flag)."""
-    def flags(args: list[str]) -> list[tuple[str, list[str]]]:
-        out: list[tuple[str, list[str]]] = []
-        for a in args:
-            if a.startswith("--"):
-                name, eq, value = a.partition("=")
-                out.append((name, [value] if eq else []))
-            elif out:
-                out[-1][1].append(a)
-        return out
-
-    mine = flags(extra)
-    names = {n for n, _ in mine}
-    notes, merged = [], []
-    for name, values in flags(planned):
-        if name in names:
-            user = next(v for n, v in mine if n == name)
-            notes.append(f"{name} {' '.join(user)} (yours) replaces the plan's "
-                         f"{' '.join(values) or 'on'}")
-            continue
-        merged += [name, *values]
-    for name, values in mine:
-        merged += [name, *values]
-    return merged, notes
-
-
 @dataclass
 class Attempt:
     number: int
@@ -101,38 +76,6 @@ class ServeResult:
     attempts: list[Attempt] = field(default_factory=list)
     plan: dict[str, Any] | None = None
     actual: dict[str, Any] | None = None
-
-
-def replan_pins(pins: Pins, plan: Plan, failure: vllmlog.Failure) -> tuple[Pins, str] | None:
-    """New pins from what a failed start-up measured; None when retrying cannot help."""
-    c = plan.chosen
-    if failure.kind == "KV_SHORTAGE":
-        if failure.estimated_max_model_len:
-            length = failure.estimated_max_model_len
-        elif failure.available_kv_gib:
-            length = int(failure.available_kv_gib * GiB // c.kv_bytes_per_token)
-        else:
-            length = c.max_model_len // 2
-        length = max(c.block_size, length // c.block_size * c.block_size)
-        return (dataclasses.replace(pins, max_model_len=length),
-                f"vLLM had KV cache for fewer tokens than max-model-len; retrying with "
-                f"--max-model-len {length:,} (what its measured KV memory holds)")
-    if failure.kind == "INSUFFICIENT_FREE_MEMORY" and failure.free_gib and failure.total_gib:
-        u = int((failure.free_gib / failure.total_gib - 0.01) * 100) / 100
-        return (dataclasses.replace(pins, gpu_memory_utilization=max(0.05, u)),
-                f"only {failure.free_gib:.2f} GiB was free; retrying with "
-                f"--gpu-memory-utilization {u:.2f}")
-    if failure.kind in ("DEVICE_OOM", "NO_KV_MEMORY"):
-        u = round(c.utilization - 0.05, 2)
-        if u <= 0.1 and not plan.hardware.is_cpu:
-            return None
-        tokens = max(512, c.max_num_batched_tokens // 2)
-        return (dataclasses.replace(pins, gpu_memory_utilization=u if not plan.hardware.is_cpu
-                                    else pins.gpu_memory_utilization,
-                                    max_num_batched_tokens=tokens),
-                f"out of memory at start-up; retrying with utilization {u:.2f} and "
-                f"--max-num-batched-tokens {tokens}")
-    return None
 
 
 def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra: list[str],
@@ -247,9 +190,7 @@ def smoke_says_fp8(error: str | None, logged: str) -> bool:
         return True
     if not logged.strip():
         return False
-    from ..observe import doctor
-
-    root = doctor.classify(logged)
+    root = classify(logged)
     return root is not None and root.cause == "kv_cache_dtype_unsupported"
 
 
@@ -262,11 +203,7 @@ def explain_failure(runner: VllmRunner, outcome: Any, out: Callable[[str], None]
         for line in tail:
             out(f"  | {line[:400]}")
     with contextlib.suppress(Exception):  # a diagnosis is a bonus, never a second failure
-        from ..observe import doctor
-
-        report = doctor.scan_text(runner.log_text())
-        doctor.apply_log_fixes(report)
-        root = report.root
+        root = explain_log(runner.log_text())
         if root is not None:
             why = "; ".join(root.explain) or "see `vlaunch doctor` on the log"
             out(f"vlaunch: doctor: {root.cause} (phase {root.phase}): {why}")

@@ -359,10 +359,19 @@ def test_capacity_options_carry_the_serving_features():
 
     d = plan_capacity(load_model("deepseek-r1"), Load(rps=5), resolve_workload(), SLO(),
                       ["8xH200"])
-    s = d["options"][0]["serving"]
+    o = d["options"][0]
+    s = o["serving"]
     assert s is not None and "mtp" in s and "all2all_backend" in s
     if s["mtp"]:
-        assert "--speculative-config" in s["vllm_args"] and s["mtp_reason"].startswith("MTP on")
+        assert "--speculative-config" in o["vllm_args"] and s["mtp_reason"].startswith("MTP on")
+    # capacity's replica is `vlaunch plan`'s plan for the option: the same command
+    from launcher.predict.planner import make_plan
+
+    plan = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"),
+                     workload=resolve_workload(), slo=SLO()).to_dict()
+    assert o["vllm_args"] == plan["vllm_args"]
+    assert o["per_replica"]["output_tokens_per_s"] == \
+        plan["performance"]["knee"]["output_tokens_per_s"]
 
 
 def test_measured_acceptance_feeds_the_next_plan(tmp_path, monkeypatch):

@@ -65,6 +65,7 @@ class Plan:
     slo: SLO | None = None
     why_not: dict[int, str] = field(default_factory=dict)  # id(runner-up) -> the figure it lost on
     serving: Any = None  # serving.Serving: MTP, parsers, all-to-all backend
+    concurrency: int | None = None  # the operating point the user asked for (--concurrency)
     judged: int = 0  # candidates the search judged for memory
     timed: int = 0  # of those, judged for speed too
 
@@ -178,7 +179,10 @@ class Plan:
 
         if self.workload is None or self.slo is None:
             return None
-        return performance_dict(a, self.objective, self.workload, self.slo)
+        d = performance_dict(a, self.objective, self.workload, self.slo)
+        if d is not None:
+            d["asked_concurrency"] = self.concurrency
+        return d
 
     def _alternative(self, c: Candidate) -> dict[str, Any]:
         """A runner-up with the figure it lost on."""
@@ -330,7 +334,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     plan = Plan(spec, hw, best.cand, version, chunked, pinned, reasons, warnings,
                 alternatives=[j.cand for j in runner_ups], enforce_eager=pins.enforce_eager,
                 performance=best.perf, objective=objective, workload=workload, slo=slo,
-                judged=res.count, timed=res.timed)  # counted again after serving's twin
+                concurrency=concurrency, judged=res.count, timed=res.timed)
     plan.assessments = {id(j.cand): j.perf for j in [best, *runner_ups]}
     plan.why_not = {id(j.cand): lost_on(j, best, objective) for j in runner_ups}
     if pins.pin_kv_memory and not hw.is_cpu:
@@ -431,7 +435,7 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
         search.speed(goal, twin, full=False)
         if a is None or twin.perf is None:
             return
-        ours, theirs = a.headline(goal.objective), twin.perf.headline(goal.objective)
+        ours, theirs = a.figure(goal.objective), twin.perf.figure(goal.objective)
         more = (f", {c.tokens - twin.cand.tokens:+,} KV tokens per engine"
                 if c.tokens != twin.cand.tokens else "")
         reasons.append(f"max-num-batched-tokens {tokens:,}: {ours} vs {theirs} at vLLM's "

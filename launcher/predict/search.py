@@ -201,10 +201,14 @@ def _token_choices(goal: Goal, layout: B.Layout) -> list[int | None]:
 
 
 LAYOUT_PRUNE = 0.5
-"""A layout whose best plain candidate scores under this share of the best layout's is not
-varied further (chunk sizes and drafts move a layout's figure far less than that)."""
+"""A layout whose best plain candidate scores under this share of the best layout's, and is not
+among the SHOWN best, is not varied further (its drafts are never judged)."""
 
-TOKEN_KEEP = 2
+SHOWN = 6
+"""The chosen layout and the runner-ups the plan shows: always varied in full, so each is shown
+at its best version."""
+
+TOKEN_KEEP = 1
 """Chunk sizes of each layout and KV dtype that carry on to the draft variants."""
 
 
@@ -256,7 +260,9 @@ def search(goal: Goal) -> Result:
         best_of: dict[B.Layout, float] = {}
         for j in timed:
             best_of[j.knobs.layout] = max(best_of.get(j.knobs.layout, -math.inf), j.value[2])
-        seeds = _seeds(timed, {L for L, v in best_of.items() if _close(v, top)})
+        ranked = sorted(best_of, key=best_of.get, reverse=True)
+        kept = {L for L, v in best_of.items() if _close(v, top)} | set(ranked[:SHOWN])
+        seeds = _seeds(timed, kept)
         extra = []
         for j0 in seeds:
             for d in drafts:

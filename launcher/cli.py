@@ -380,7 +380,12 @@ def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: 
         from .plot import capacity_plot
 
         capacity_plot(d, plot_path)
-    click.echo(json.dumps(d, indent=2) if fmt == "json" else _fit(capacity.render(d)))
+    if fmt == "json":
+        click.echo(json.dumps(d, indent=2))
+    else:
+        from . import term
+
+        click.echo(capacity.render(d, term.width()))
     if d["recommended"] is None:
         raise NotFitError(capacity.miss_message(d))
 

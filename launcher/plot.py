@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .render import alt_label
 
 PLOT_MODE = 0o644
 """The mode of emitted files (paths.atomic_write), less the user's umask."""
@@ -84,12 +85,14 @@ def plan_plot(d: dict[str, Any], path: str) -> Path:
     p = d["parallel"]
     label = f"TP{p['tp']}" + (f"xPP{p['pp']}" if p["pp"] > 1 else "") + (
         f"xDP{p['dp']}" if p["dp"] > 1 else "") + ("+EP" if p["expert_parallel"] else "")
-    _draw(ax, perf["curve"], f"{label} (chosen)", perf.get("knee"), linewidth=2.5)
+    mtp = ((d.get("serving") or {}).get("speculative") or {})
+    k = mtp.get("num_speculative_tokens") if mtp.get("enabled") else 0
+    _draw(ax, perf["curve"], f"{label} kv {d['kv_cache']['dtype']}, "
+          + (f"MTP {k}" if k else "no MTP") + " (chosen)", perf.get("knee"), linewidth=2.5)
     for alt in d.get("alternatives") or []:
         ap = alt.get("performance") if isinstance(alt, dict) else None
         if ap:
-            _draw(ax, ap["curve"], f"{alt['label']} kv {alt['kv_cache']['dtype']}",
-                  ap.get("knee"), linewidth=1, alpha=0.7)
+            _draw(ax, ap["curve"], alt_label(alt), ap.get("knee"), linewidth=1, alpha=0.7)
     _frame(ax, perf["slo"], f"{d['model']['name']} on {d['gpus']['count']}x{d['gpus']['name']}: "
            f"{perf['input_len']:,} in / {perf['output_len']:,} out ({perf['source']})")
     out = _save(fig, path)

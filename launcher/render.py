@@ -147,5 +147,11 @@ def performance_lines(d: dict[str, Any]) -> list[str]:
     alts = [a for a in d.get("alternatives") or [] if isinstance(a, dict) and a.get("fits")]
     if alts:
         lines.append("    runner-ups:")
-        lines += [f"      {a['label']} (kv {a['kv_cache']['dtype']}): {a['why_not']}" for a in alts]
+        lines += [f"      {alt_label(a)}: {a['why_not']}" for a in alts]
     return lines
+
+
+def alt_label(a: dict[str, Any]) -> str:
+    """A runner-up as the plan shows it: layout, KV dtype and MTP (its best version)."""
+    k = a.get("num_speculative_tokens") or 0
+    return f"{a['label']} (kv {a['kv_cache']['dtype']}, " + (f"MTP {k})" if k else "no MTP)")

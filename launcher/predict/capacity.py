@@ -250,43 +250,60 @@ def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
             "closest_miss": miss.to_dict() if miss else None}
 
 
-def render(d: dict[str, Any]) -> str:
+def render(d: dict[str, Any], cols: int = 100) -> str:
+    """The capacity answer as text within `cols` columns (launcher/term.py)."""
+    from .. import term
+
     slo = d["slo"]
-    lines = [f"{d['model']['name']}: {d['load']['describe']}; {d['input_len']:,} in / "
-             f"{d['output_len']:,} out per request"
-             + (" (assumed: pass --workload or --input-len/--output-len)"
-                if d["assumed_workload"] else "")
-             + f"; SLO TTFT {slo['ttft_ms']:,.0f} ms, TPOT {slo['tpot_ms']:.0f} ms; objective "
-             f"{d['objective']}; MTP {d['mtp']}; headroom {d['headroom']:.0%}, spare {d['spare']}",
-             f"  {'GPUs/replica':13} {'layout':12} {'mtp':>3} {'per replica':>22} {'binds':>16} "
-             f"{'replicas':>8} {'GPUs':>5} {'$/month':>11} {'$/M out tok':>11}"]
+    head = (f"{d['model']['name']}: {d['load']['describe']}; {d['input_len']:,} in / "
+            f"{d['output_len']:,} out per request"
+            + (" (assumed: pass --workload or --input-len/--output-len)"
+               if d["assumed_workload"] else "")
+            + f"; SLO TTFT {slo['ttft_ms']:,.0f} ms, TPOT {slo['tpot_ms']:.0f} ms; objective "
+            f"{d['objective']}; MTP {d['mtp']}; headroom {d['headroom']:.0%}, spare {d['spare']}")
+    rows = [["GPUs/replica", "layout", "MTP", "users", "rps", "binds", "replicas", "GPUs",
+             "$/month", "$/Mtok"]]
+    misses = []
     for o in d["options"]:
         if o["replicas"] is None:
-            lines.append(f"  {o['gpus']:13} {'-':12} {'-':>3} {o['problem']}")
+            label = (o.get("parallel") or {}).get("label")
+            misses.append(f"  {o['gpus']}" + (f" ({label})" if label else "") + ": "
+                          + (o["problem"] or "no replica"))
             continue
         pr = o["per_replica"]
-        per = (f"{pr['knee_concurrency']:,.0f} users/"
-               f"{pr['open_loop_requests_per_s']:,.1f} rps")
-        money = (f"{o['monthly_usd']:>11,.0f} {o['usd_per_million_output_tokens']:>11,.3f}"
-                 if o["monthly_usd"] is not None else f"{'no price':>11} {'-':>11}")
-        mtp = (o.get("serving") or {}).get("mtp") or "off"
-        lines.append(f"  {o['gpus']:13} {o['parallel']['label']:12} {mtp!s:>3} {per:>22} "
-                     f"{o['binding']:>16} {o['replicas']:>8} {o['gpus_total']:>5} {money}")
+        priced = o["monthly_usd"] is not None
+        rows.append([o["gpus"], o["parallel"]["label"],
+                     str((o.get("serving") or {}).get("mtp") or "off"),
+                     f"{pr['knee_concurrency']:,.0f}", f"{pr['open_loop_requests_per_s']:,.1f}",
+                     o["binding"], str(o["replicas"]), str(o["gpus_total"]),
+                     f"{o['monthly_usd']:,.0f}" if priced else "no price",
+                     f"{o['usd_per_million_output_tokens']:,.3f}" if priced else "-"])
+    lines = term.fit([head], cols)
+    right = (2, 3, 4, 6, 7, 8, 9)
+    if cols < 100:  # narrow: the binding limit is in the JSON; keep the numbers on one line
+        rows = [r[:5] + r[6:] for r in rows]
+        right = (2, 3, 4, 5, 6, 7, 8)
+    if len(rows) > 1:
+        lines += term.table(rows, cols, indent="  ", right=right,
+                            gap=" " if cols < 100 else "  ")
+    lines += term.fit(misses, cols)
     rec = d["recommended"]
     if rec:
         bill = (f"${rec['monthly_usd']:,.0f}/month at ${rec['usd_per_gpu_hour']:.2f}/GPU-hour "
                 f"({rec['price_source']})" if rec["monthly_usd"] is not None else
                 "no price known: pass --price")
-        lines.append(f"recommended: {rec['replicas']} x {rec['gpus']} ({rec['parallel']['label']},"
-                     f" kv {rec['kv_cache']['dtype']}) = {rec['gpus_total']} GPUs, {bill}; "
-                     f"performance source: {rec['source']}")
+        lines += term.fit([f"recommended: {rec['replicas']} x {rec['gpus']} "
+                           f"({rec['parallel']['label']}, kv {rec['kv_cache']['dtype']}) = "
+                           f"{rec['gpus_total']} GPUs, {bill}; performance source: "
+                           f"{rec['source']}"], cols)
         mtp_reason = (rec.get("serving") or {}).get("mtp_reason")
         if mtp_reason:
-            lines.append(f"  {mtp_reason}")
+            lines += term.fit([f"  - {mtp_reason}"], cols)
     else:
         lines.append("recommended: none - no option meets the SLO")
-    lines.append("prices are list prices of the named providers on the stated dates, not quotes; "
-                 "the model's predictions are checked with `vlaunch tune` on the real engine")
+    lines += term.fit(["prices are list prices of the named providers on the stated dates, "
+                       "not quotes; the model's predictions are checked with `vlaunch tune` on "
+                       "the real engine"], cols)
     return "\n".join(lines)
 
 

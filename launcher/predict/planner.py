@@ -64,6 +64,7 @@ class Plan:
     workload: Workload | None = None
     slo: SLO | None = None
     why_not: dict[int, str] = field(default_factory=dict)  # id(runner-up) -> the figure it lost on
+    drafts: dict[int, int] = field(default_factory=dict)  # id(runner-up) -> its MTP draft tokens
     serving: Any = None  # serving.Serving: MTP, parsers, all-to-all backend
     concurrency: int | None = None  # the operating point the user asked for (--concurrency)
     judged: int = 0  # candidates the search judged for memory
@@ -194,6 +195,9 @@ class Plan:
                              "expert_parallel": L.expert_parallel, "nodes": L.nodes},
                 "kv_cache": {"dtype": c.kv_dtype, "tokens": c.tokens},
                 "max_concurrency": round(c.concurrency, 2), "fits": c.fits,
+                "num_speculative_tokens": self.drafts.get(id(c), 0),
+                "max_num_seqs": c.max_num_seqs,
+                "max_num_batched_tokens": c.max_num_batched_tokens,
                 "performance": self._performance(a) if a else None,
                 "summary": c.summary(), "why_not": why}
 
@@ -337,6 +341,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                 concurrency=concurrency, judged=res.count, timed=res.timed)
     plan.assessments = {id(j.cand): j.perf for j in [best, *runner_ups]}
     plan.why_not = {id(j.cand): lost_on(j, best, objective) for j in runner_ups}
+    plan.drafts = {id(j.cand): j.knobs.draft for j in runner_ups}
     if pins.pin_kv_memory and not hw.is_cpu:
         warnings.append("--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "
                         "memory profiling; only the plan's margins for activations, graphs and "

@@ -22,6 +22,7 @@ from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec, Quant
 from ..inputs.workload import SLO, Workload, check_objective, resolve_workload
 from . import budget as B
+from . import search, serving
 from .candidates import (  # noqa: F401 - the planner's public names, kept for its callers
     CPU_MEMORY_FRACTION,
     CUDA_CONTEXT_BYTES,
@@ -292,8 +293,6 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     by `objective`; never raises for a misfit. The composer: the search judges every candidate
     (predict/search.py), the best one becomes the plan, its assessment is the plan's single
     prediction, and every reason is read from the judged candidates."""
-    from . import search, serving
-
     pins = pins or Pins()
     pins.validate()
     workload = workload or resolve_workload()
@@ -423,8 +422,6 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
         reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: vLLM's default batch "
                        "leaves too little KV memory for the context")
     if p.max_num_batched_tokens is None and k.chunked and not goal.hw.is_cpu:
-        from . import search
-
         default = batch_defaults(goal.hw, k.layout.tp * k.layout.pp, goal.traits.version)[0]
         tokens = c.max_num_batched_tokens
         if tokens == default:

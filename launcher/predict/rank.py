@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from .perfplan import FP8_MARGIN
+from .speculative import mtp_table
 
 
 def mtp_margin() -> float:
-    from .speculative import mtp_table
-
+    """The gain an MTP draft the planner turns on must show (profiles/serving.yaml)."""
     return float(mtp_table()["margin"])
 
 

@@ -71,6 +71,7 @@ class Goal:
     mtp_pinned: bool = False
     _ep: dict[B.Layout, ep_backend.Choice] = field(default_factory=dict)
     _constants: dict[tuple, Any] = field(default_factory=dict)
+    _memory: dict[Knobs, Candidate] = field(default_factory=dict)
     counts: list[int] = field(default_factory=lambda: [0, 0])  # judged for memory, for speed
 
     def ep(self, layout: B.Layout) -> ep_backend.Choice:
@@ -116,8 +117,11 @@ def memory(goal: Goal, k: Knobs) -> Judged:
     pins = dataclasses.replace(goal.pins, max_model_len=k.max_model_len,
                                max_num_batched_tokens=k.max_num_batched_tokens,
                                max_num_seqs=k.max_num_seqs)
-    c = evaluate(goal.spec, goal.hw, k.layout, k.kv_dtype, goal.util, goal.traits, pins,
-                 k.chunked)
+    key = dataclasses.replace(k, draft=0)
+    if key not in goal._memory:  # a draft variant starts from its plain candidate's budget
+        goal._memory[key] = evaluate(goal.spec, goal.hw, k.layout, k.kv_dtype, goal.util,
+                                     goal.traits, pins, k.chunked)
+    c = dataclasses.replace(goal._memory[key], cache=dict(goal._memory[key].cache))
     j = Judged(k, c)
     if not c.fits:
         return j

@@ -207,7 +207,7 @@ def _check_calibrated_model(plan_json: Path, rec: dict, doc: dict, cache: Path) 
     from launcher.inputs.workload import Workload
     from launcher.predict import perf
     from launcher.predict.calibration import lookup, plan_key
-    from launcher.predict.perfplan import shape_from_plan
+    from launcher.predict.planshape import shape_from_plan
 
     before = os.environ.get("VLAUNCH_CACHE_DIR")
     os.environ["VLAUNCH_CACHE_DIR"] = str(cache)

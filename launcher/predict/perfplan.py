@@ -72,10 +72,6 @@ class Assessment:
                 f"within the SLO (TPOT {k.tpot_ms:.1f} ms, TTFT {k.ttft_ms:,.0f} ms)")
 
 
-def gemm_scale(spec: ModelSpec, traits: Any) -> float:
-    return traits.block_fp8_gemm_scale if spec.quant.method == "fp8_block" else 1.0
-
-
 def _constants_for(spec: ModelSpec, hw: Hardware, cand: Any, version: str
                    ) -> tuple[perf.Constants, str, list[str]]:
     """The model's constants, or those refitted from `vlaunch tune`'s measurements."""
@@ -90,7 +86,8 @@ def _constants_for(spec: ModelSpec, hw: Hardware, cand: Any, version: str
         entry, source = hit[1], "model"
     cal = perf.Calibration(entry["fixed_scale"], entry["roofline_scale"],
                            len(entry.get("points", [])), entry.get("median_error", 0.0),
-                           entry.get("prefill_scale", 1.0), entry.get("request_scale", 1.0))
+                           entry.get("prefill_scale", 1.0), entry.get("request_scale", 1.0),
+                           entry.get("median_error_uncalibrated", 0.0))
     note = (f"performance calibrated from {cal.points} measured point(s) of "
             + ("this engine" if source == "measured" else "another layout on this hardware")
             + f" (vlaunch tune, {entry.get('recorded_at', '?')}; fit error "
@@ -106,7 +103,7 @@ def assess(spec: ModelSpec, hw: Hardware, cand: Any, traits: Any, chunked: bool,
     constants, source, notes = _constants_for(spec, hw, cand, traits.version)
     shape = perf.engine_shape(spec, hw, cand.layout, cand.kv_bytes_per_token, cand.tokens,
                               cand.max_num_seqs, cand.max_num_batched_tokens, chunked,
-                              constants, gemm_scale(spec, traits))
+                              constants, v0=traits.engine == "v0")
     if shape is None:
         return None
     return assessment_for(shape, workload, slo, concurrency, source, notes, cand)
@@ -167,20 +164,3 @@ def performance_dict(a: Assessment | None, objective: str, workload: Workload, s
             "binding": a.binding, "single_request": a.single.to_dict(),
             "curve": [p.to_dict() for p in a.curve],
             "notes": a.notes}
-
-
-def shape_from_plan(d: dict[str, Any]) -> perf.EngineShape | None:
-    """Rebuild the performance model's engine from a plan dict (for calibration records)."""
-    from .budget import Layout
-    from .capabilities import version_traits
-    from .planner import inputs_from_plan
-
-    spec, hw, _ = inputs_from_plan(d)
-    p, kv = d["parallel"], d["kv_cache"]
-    layout = Layout(p["tp"], p["pp"], p["dp"], bool(p["expert_parallel"]), p.get("nodes", 1))
-    traits = version_traits(d["vllm_version"])
-    return perf.engine_shape(spec, hw, layout, kv["bytes_per_token"], kv["tokens"],
-                             d["max_num_seqs"], d["max_num_batched_tokens"],
-                             bool(d["enable_chunked_prefill"]), perf.DEFAULT,
-                             gemm_scale(spec, traits))
-

@@ -159,7 +159,7 @@ def speed(goal: Goal, j: Judged, full: bool = True) -> Judged:
     constants, source, notes = goal._constants[key]
     shape = perf.engine_shape(goal.spec, goal.hw, k.layout, c.kv_bytes_per_token, c.tokens,
                               c.max_num_seqs, c.max_num_batched_tokens, k.chunked, constants,
-                              perfplan.gemm_scale(goal.spec, goal.traits))
+                              v0=goal.traits.engine == "v0")
     if shape is not None and k.draft:
         shape = speculative.speculative_shape(goal.spec, shape, k.layout, k.kv_dtype, k.draft,
                                               goal.acceptance)

@@ -55,6 +55,7 @@ from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins, make_plan
+from ..predict.planshape import shape_from_plan
 from ..predict.speculative import measured_acceptance, record_acceptance
 from .emit import atomic_write, emit_plan
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
@@ -1091,7 +1092,8 @@ class Tuner:
             from ..paths import cache_dir
 
             cache_dir().mkdir(parents=True, exist_ok=True)  # record() writes beside it
-            path = calibration.record(t.plan, points, f"vlaunch tune {_now()}")
+            path = calibration.record(t.plan, points, f"vlaunch tune {_now()}",
+                                      shape_from_plan(t.plan))
         except Exception as e:  # noqa: BLE001 - a calibration problem must not lose the trial
             rec["calibration"] = f"not recorded: {type(e).__name__}: {e}"
             return

@@ -22,7 +22,7 @@ from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec, Quant
 from ..inputs.workload import SLO, Workload, check_objective, resolve_workload
 from . import budget as B
-from . import search, serving
+from . import rank, search, serving
 from .candidates import (  # noqa: F401 - the planner's public names, kept for its callers
     CPU_MEMORY_FRACTION,
     CUDA_CONTEXT_BYTES,
@@ -43,7 +43,6 @@ from .capabilities import (
     version_traits,
 )
 from .perfplan import FP8_MARGIN
-from .rank import lost_on
 
 
 @dataclass
@@ -339,7 +338,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                 performance=best.perf, objective=objective, workload=workload, slo=slo,
                 concurrency=concurrency, judged=res.count, timed=res.timed)
     plan.assessments = {id(j.cand): j.perf for j in [best, *runner_ups]}
-    plan.why_not = {id(j.cand): lost_on(j, best, objective) for j in runner_ups}
+    plan.why_not = {id(j.cand): rank.lost_on(j, best, objective) for j in runner_ups}
     plan.drafts = {id(j.cand): j.knobs.draft for j in runner_ups}
     if pins.pin_kv_memory and not hw.is_cpu:
         warnings.append("--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "
@@ -397,8 +396,8 @@ def _kv_reason(goal: Any, res: Any, best: Any, fp8_why: str, reasons: list[str],
     s_a, s_b = a.score(goal.objective, goal.hw.count), b.score(goal.objective, goal.hw.count)
     if mine == "fp8":
         gain = (s_a - s_b) / abs(s_b) if s_b else 0.0
-        reasons.append(f"kv-cache-dtype fp8: {a.headline(goal.objective)} vs "
-                       f"{b.headline(goal.objective)} with bf16 KV ({gain:+.0%}, over the "
+        reasons.append(f"kv-cache-dtype fp8: {rank.headline(a, goal.objective)} vs "
+                       f"{rank.headline(b, goal.objective)} with bf16 KV ({gain:+.0%}, over the "
                        f"{FP8_MARGIN:.0%} margin for its accuracy risk)")
         warnings.append(accuracy)
     else:
@@ -437,7 +436,7 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
         search.speed(goal, twin, full=False)
         if a is None or twin.perf is None:
             return
-        ours, theirs = a.figure(goal.objective), twin.perf.figure(goal.objective)
+        ours, theirs = rank.figure(a, goal.objective), rank.figure(twin.perf, goal.objective)
         more = (f", {c.tokens - twin.cand.tokens:+,} KV tokens per engine"
                 if c.tokens != twin.cand.tokens else "")
         reasons.append(f"max-num-batched-tokens {tokens:,}: {ours} vs {theirs} at vLLM's "
@@ -468,7 +467,7 @@ def _explain_speed(plan: Plan) -> None:
             r.append("no performance prediction: the GPU catalog has no bandwidth/FLOPS for "
                      f"{plan.hardware.kind.name}; layouts ranked by memory alone")
         return
-    r.insert(2, f"predicted ({a.source}): {a.figure(plan.objective)}; binding: {a.binding}")
+    r.insert(2, f"predicted ({a.source}): {rank.figure(a, plan.objective)}; binding: {a.binding}")
     r.extend(a.notes)
 
 

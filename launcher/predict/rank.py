@@ -44,6 +44,28 @@ def objective_score(a: Any, objective: str, gpus: int, kv_dtype: str, draft: int
     return score
 
 
+def figure(a: Any, objective: str) -> str:
+    """The number that decided, in words, from the same rounded points the JSON carries (so a
+    reason never prints 3,590 where the curve says 3,589)."""
+    one = a.single.to_dict()
+    if objective == "latency":
+        return f"TPOT {one['tpot_ms']:.1f} ms for one request"
+    if a.knee is None:
+        return f"misses the SLO even alone (TPOT {one['tpot_ms']:.1f} ms)"
+    k = a.knee.to_dict()
+    return (f"{k['output_tokens_per_s']:,.0f} output tok/s at {k['concurrency']:,.0f} concurrent "
+            f"within the SLO (TPOT {k['tpot_ms']:.1f} ms, TTFT {k['ttft_ms']:,.0f} ms)")
+
+
+def headline(a: Any, objective: str) -> str:
+    """The deciding number alone, rounded as the JSON rounds it."""
+    if objective == "latency":
+        return f"TPOT {a.single.to_dict()['tpot_ms']:.1f} ms"
+    if a.knee is None:
+        return "misses the SLO"
+    return f"{a.knee.to_dict()['output_tokens_per_s']:,.0f} output tok/s"
+
+
 def value(j: Any, goal: Any) -> tuple:
     """The sort key of a judged candidate (search.Judged) under `goal` (search.Goal)."""
     c, k = j.cand, j.knobs
@@ -64,4 +86,4 @@ def lost_on(j: Any, best: Any, objective: str) -> str:
                 f"{b.max_model_len:,})")
     if j.perf is None or best.perf is None:
         return f"fewer concurrent sequences ({c.concurrency:.1f})"
-    return f"{j.perf.figure(objective)}; chosen: {best.perf.headline(objective)}"
+    return f"{figure(j.perf, objective)}; chosen: {headline(best.perf, objective)}"

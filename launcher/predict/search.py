@@ -30,7 +30,9 @@ from .rank import value
 from .rebudget import rebudget
 
 CHUNK_CHOICES = (2048, 4096, 8192, 16384)
-"""max-num-batched-tokens the search tries with chunked prefill (vLLM's default added)."""
+"""max-num-batched-tokens the search tries with chunked prefill (vLLM's default added); those
+below the engine's max-num-seqs are skipped (vLLM refuses them). Small chunks keep a mixed
+step short (TPOT) at the cost of more steps per prompt (TTFT)."""
 
 LEAN_SEQS = (256, 64, 16)
 """max-num-seqs tried below vLLM's default only when the default cannot reach the target
@@ -179,6 +181,19 @@ def speed(goal: Goal, j: Judged, full: bool = True) -> Judged:
     return j
 
 
+def _with_binding(goal: Goal, j: Judged) -> Any:
+    """The knee and what binds there (all a cap needs), without the curve."""
+    a = j.perf
+    if a is None:
+        return None
+    if not a.binding:
+        w = goal.workload
+        if a.knee is None and goal.objective == "latency":
+            a.knee = perf.knee(a.shape, w, goal.slo)
+        a.binding = perf.binding(a.shape, w, a.knee, goal.slo)
+    return a
+
+
 def finish(goal: Goal, j: Judged) -> Judged:
     """The full assessment (curve, binding, the asked concurrency) of a candidate shown."""
     if j.perf is not None and not j.perf.curve and j.perf.shape is not None:
@@ -200,8 +215,13 @@ def _token_choices(goal: Goal, layout: B.Layout) -> list[int | None]:
         return [p.max_num_batched_tokens]
     if not goal.chunked or goal.hw.is_cpu:
         return [None]
-    default = batch_defaults(goal.hw, layout.tp * layout.pp, goal.traits.version)[0]
-    return sorted(set(CHUNK_CHOICES) | {default})
+    default, seqs = batch_defaults(goal.hw, layout.tp * layout.pp, goal.traits.version)
+    seqs = p.max_num_seqs or seqs
+    # a chunk well past the prompt changes no step (one chunk a prompt either way) but takes
+    # activation memory: chunks beyond the first that holds twice the prompt are dominated
+    enough = next((c for c in CHUNK_CHOICES if c >= 2 * goal.workload.input_len),
+                  CHUNK_CHOICES[-1])
+    return sorted({c for c in CHUNK_CHOICES if seqs <= c <= enough} | {default})
 
 
 LAYOUT_PRUNE = 0.5
@@ -212,7 +232,7 @@ SHOWN = 6
 """The chosen layout and the runner-ups the plan shows: always varied in full, so each is shown
 at its best version."""
 
-TOKEN_KEEP = 1
+TOKEN_KEEP = 2
 """Chunk sizes of each layout and KV dtype that carry on to the draft variants."""
 
 
@@ -304,10 +324,16 @@ def _close(v: float, top: float) -> bool:
 
 
 def _seeds(timed: list[Judged], layouts_kept: set) -> list[Judged]:
-    """Each kept layout's and KV dtype's best TOKEN_KEEP plain candidates."""
+    """Each kept layout's best TOKEN_KEEP plain candidates, of its better KV dtype (after the
+    fp8 margin): a draft moves both dtypes alike, so the other one is not varied."""
+    dtype: dict[B.Layout, Judged] = {}
+    for j in timed:
+        if j.knobs.layout in layouts_kept and (j.knobs.layout not in dtype
+                                               or j.value > dtype[j.knobs.layout].value):
+            dtype[j.knobs.layout] = j
     groups: dict[tuple, list[Judged]] = {}
     for j in timed:
-        if j.knobs.layout in layouts_kept:
+        if j.knobs.layout in dtype and j.knobs.kv_dtype == dtype[j.knobs.layout].knobs.kv_dtype:
             groups.setdefault((j.knobs.layout, j.knobs.kv_dtype), []).append(j)
     out = []
     for js in groups.values():
@@ -321,14 +347,13 @@ def _capped(goal: Goal, timed: list[Judged]) -> list[Judged]:
     then queues instead of breaking the SLO), judged again at that cap. The capped candidates
     rank among themselves first: the objective emits the cap, so an uncapped figure is never
     what a plan is chosen on."""
-    best: dict[B.Layout, Judged] = {}
-    for j in timed:
-        if j.knobs.layout not in best:
-            best[j.knobs.layout] = j
     out = []
-    for j in best.values():
-        a = j.perf
-        cap = perfplan.knee_seqs(finish(goal, j).perf) if a is not None else None
+    tops = _tops(timed)
+    first = tops[0].knobs.layout if tops else None
+    for j in [t for i, t in enumerate(tops) if t.knobs.layout == first
+              or i == 0 or tops[i - 1].knobs.layout != t.knobs.layout]:
+        a = _with_binding(goal, j)
+        cap = perfplan.knee_seqs(a) if a is not None else None
         if cap is None or cap >= j.cand.max_num_seqs:
             out.append(j)
             continue
@@ -344,3 +369,15 @@ def _capped(goal: Goal, timed: list[Judged]) -> list[Judged]:
     out.sort(key=lambda j: j.value, reverse=True)
     shown = {id(j) for j in out}
     return out + [j for j in timed if id(j) not in shown]
+
+
+def _tops(timed: list[Judged], n: int = 2) -> list[Judged]:
+    """Each layout's best `n` candidates (timed is best first)."""
+    seen: dict[B.Layout, int] = {}
+    out = []
+    for j in timed:
+        if seen.get(j.knobs.layout, 0) < n:
+            seen[j.knobs.layout] = seen.get(j.knobs.layout, 0) + 1
+            out.append(j)
+    return out
+

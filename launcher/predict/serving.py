@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..inputs.hardware import GiB
-from . import ep_backend, perf, search, serving_flags, speculative
+from . import ep_backend, perf, rank, search, serving_flags, speculative
 
 
 @dataclass
@@ -125,7 +125,7 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
             note["kv_tokens"] = j.cand.tokens
             note["layout"] = j.cand.label()
             if j.perf is not None:
-                note["figure"] = j.perf.figure(goal.objective)
+                note["figure"] = rank.figure(j.perf, goal.objective)
         d.options.append(note)
     k = best.knobs.draft
     offs = [x for x in res.judged if x.knobs.draft == 0]
@@ -144,7 +144,8 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
         what = ("verifying the drafts costs more than they save" if gain < 0
                 else "too little gain for its memory")
         d.reason = (f"MTP off: its best ({on.knobs.draft} draft token(s), {on.cand.label()}): "
-                    f"{on.perf.headline(goal.objective)} vs {best.perf.headline(goal.objective)} "
+                    f"{rank.headline(on.perf, goal.objective)} vs "
+                    f"{rank.headline(best.perf, goal.objective)} "
                     f"without ({gain:+.0%}); under the {margin:.0%} margin ({what})")
         return d
     d.enabled, d.k, d.cost = True, k, best.mtp
@@ -171,8 +172,8 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
     if off is not None and off.perf is not None:
         search.finish(goal, off)
         gain = _gain(goal, best.perf, off.perf)
-        parts.append(f"at the SLO knee: {best.perf.headline(goal.objective)} vs "
-                     f"{off.perf.headline(goal.objective)} for the best plan without MTP "
+        parts.append(f"at the SLO knee: {rank.headline(best.perf, goal.objective)} vs "
+                     f"{rank.headline(off.perf, goal.objective)} for the best plan without MTP "
                      f"({off.cand.label()}, {gain:+.0%})")
     parts.append("model only: no published vLLM MTP measurement checks this speed-up and the "
                  "acceptance is a default (vlaunch tune measures both)")

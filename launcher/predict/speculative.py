@@ -157,11 +157,15 @@ def _mtp_tensors(spec: ModelSpec, layout: B.Layout) -> list[B.Tensor]:
 
 def weight_bytes(spec: ModelSpec, layout: B.Layout) -> int:
     """MTP weights on one GPU of the last pipeline stage (all of them live there), scaled like
-    the rest of the checkpoint (budget.checkpoint_scale)."""
-    total = sum(B.tensor_bytes(t, spec.quant, spec.dtype_bytes)
-                * B.shard_fraction(t, layout, spec.vocab_size)
-                for t in _mtp_tensors(spec, layout))
-    return round(total * B.checkpoint_scale(spec))
+    the rest of the checkpoint (budget.checkpoint_scale). Memoized per layout: the search asks
+    for it once per draft candidate."""
+    def compute() -> int:
+        total = sum(B.tensor_bytes(t, spec.quant, spec.dtype_bytes)
+                    * B.shard_fraction(t, layout, spec.vocab_size)
+                    for t in _mtp_tensors(spec, layout))
+        return round(total * B.checkpoint_scale(spec))
+
+    return B.memo("mtp_weights", spec, layout, compute)
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, layout: B.Layout) -> int:

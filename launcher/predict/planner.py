@@ -375,8 +375,21 @@ def _kv_reason(goal: Any, res: Any, best: Any, fp8_why: str, reasons: list[str],
     if goal.pins.kv_cache_dtype or len(goal.dtypes) == 1:
         return
     mine = best.knobs.kv_dtype
-    other = next((j for j in res.judged if j.knobs.kv_dtype != mine), None) or next(
-        (j for j in res.fitting if j.knobs.kv_dtype != mine), None)
+    cond = ""
+    other = max((j for j in res.judged if j.knobs.kv_dtype != mine), key=lambda j: j.value,
+                default=None) or next((j for j in res.fitting if j.knobs.kv_dtype != mine), None)
+    if other is not None and other.knobs.draft != best.knobs.draft:
+        # the same conditions: the best of each dtype with the same draft (none if need be)
+        same = [j for j in res.judged if j.knobs.draft == best.knobs.draft]
+        if not any(j.knobs.kv_dtype != mine for j in same):
+            same = [j for j in res.judged if j.knobs.draft == 0]
+        mine_j = max((j for j in same if j.knobs.kv_dtype == mine), key=lambda j: j.value,
+                     default=None)
+        other_j = max((j for j in same if j.knobs.kv_dtype != mine), key=lambda j: j.value,
+                      default=None)
+        if mine_j is not None and other_j is not None:
+            best, other = mine_j, other_j
+            cond = "" if best.knobs.draft else " (both without MTP)"
     accuracy = ("fp8 KV without calibrated scales (k/v scale 1.0) can cost accuracy; "
                 "check your evals or pin --kv-cache-dtype auto")
     o_name = "bf16" if mine == "fp8" else "fp8"
@@ -397,13 +410,15 @@ def _kv_reason(goal: Any, res: Any, best: Any, fp8_why: str, reasons: list[str],
     if mine == "fp8":
         gain = (s_a - s_b) / abs(s_b) if s_b else 0.0
         reasons.append(f"kv-cache-dtype fp8: {rank.headline(a, goal.objective)} vs "
-                       f"{rank.headline(b, goal.objective)} with bf16 KV ({gain:+.0%}, over the "
+                       f"{rank.headline(b, goal.objective)} with bf16 KV{cond} ({gain:+.0%}, "
+                       "over the "
                        f"{FP8_MARGIN:.0%} margin for its accuracy risk)")
         warnings.append(accuracy)
     else:
         gain = (s_b - s_a) / abs(s_a) if s_a else 0.0
+        mtp = f", MTP {other.knobs.draft}" if other.knobs.draft else ""
         reasons.append(f"kv-cache-dtype auto: bf16 KV already holds the context; fp8 KV's best "
-                       f"({other.cand.label()}) would change "
+                       f"({other.cand.label()}{mtp}){cond} would change "
                        f"the objective's figure by {gain:+.0%} (under the {FP8_MARGIN:.0%} "
                        "margin that would justify its accuracy risk)")
 
@@ -436,7 +451,7 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
         search.speed(goal, twin, full=False)
         if a is None or twin.perf is None:
             return
-        ours, theirs = rank.figure(a, goal.objective), rank.figure(twin.perf, goal.objective)
+        ours, theirs = rank.headline(a, goal.objective), rank.headline(twin.perf, goal.objective)
         more = (f", {c.tokens - twin.cand.tokens:+,} KV tokens per engine"
                 if c.tokens != twin.cand.tokens else "")
         reasons.append(f"max-num-batched-tokens {tokens:,}: {ours} vs {theirs} at vLLM's "

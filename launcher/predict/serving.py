@@ -161,13 +161,12 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
     if twin is not None and twin.perf is not None:
         a = best.perf
         n = a.knee.concurrency if a.knee else 1
-        p_on, p_off = perf.point(a.shape, goal.workload, n), perf.point(
-            twin.perf.shape, goal.workload, n)
-        d.equal_load = {"concurrency": round(n, 2), "with": p_on.to_dict(),
-                        "without": p_off.to_dict()}
+        on_d = (a.knee or a.single).to_dict()  # the plan's own point: the JSON's figures
+        off_d = perf.point(twin.perf.shape, goal.workload, n).to_dict()
+        d.equal_load = {"concurrency": on_d["concurrency"], "with": on_d, "without": off_d}
         parts.append(f"at equal load ({n:,.0f} in flight, same flags without the draft): "
-                     f"TPOT {p_on.tpot_ms:.1f} vs {p_off.tpot_ms:.1f} ms, "
-                     f"{p_on.output_tokens_per_s:,.0f} vs {p_off.output_tokens_per_s:,.0f} "
+                     f"TPOT {on_d['tpot_ms']:.1f} vs {off_d['tpot_ms']:.1f} ms, "
+                     f"{on_d['output_tokens_per_s']:,.0f} vs {off_d['output_tokens_per_s']:,.0f} "
                      "output tok/s")
     if off is not None and off.perf is not None:
         search.finish(goal, off)

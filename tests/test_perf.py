@@ -133,12 +133,18 @@ def test_latency_and_throughput_rise_monotonically_with_concurrency():
     a = make_plan(spec, hw, V, objective="throughput").performance
     w = Workload(1024, 256)
     last = None
+    half = perf.max_running(a.shape, w) / 2
     for c in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         p = perf.point(a.shape, w, c)
-        if last:
+        # (near the running limit the decodes and drafts fill the token budget and prompts
+        # starve: the first token waits, tokens come as fast as decode allows, throughput may
+        # fall - as vLLM's does)
+        if last and c <= half:
             assert p.tpot_ms >= last.tpot_ms - 1e-9
             assert p.ttft_ms >= last.ttft_ms - 1e-9
             assert p.output_tokens_per_s >= last.output_tokens_per_s - 1e-6
+        if last:
+            assert p.ttft_ms >= last.ttft_ms - 1e-9
         last = p
 
 

@@ -48,9 +48,7 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str,
            shape: perf.EngineShape | None) -> Path:
     """Add measured points for the engine of plan `d`, refit its scales, save atomically.
     `shape` is that engine as the performance model sees it (planshape.shape_from_plan; None:
-    no speed facts, the points are kept unfitted). Each entry keeps `median_error`, the fit's
-    median |error| of output tokens/s, and `median_error_uncalibrated`, the same measure with
-    the shipped constants: the fit never makes it worse."""
+    no speed facts, the points are kept unfitted)."""
     k = plan_key(d)
     engine = {"max_num_seqs": d.get("max_num_seqs"),
               "max_num_batched_tokens": d.get("max_num_batched_tokens")}
@@ -73,7 +71,8 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str,
             entry.update(fixed_scale=cal.fixed_scale, roofline_scale=cal.roofline_scale,
                          prefill_scale=cal.prefill_scale, request_scale=cal.request_scale,
                          median_error=cal.median_error,
-                         median_error_uncalibrated=cal.median_error_uncalibrated)
+                         median_error_uncalibrated=cal.uncalibrated_error,
+                         fit_loss=cal.loss, fit_loss_uncalibrated=cal.loss_uncalibrated)
         data[k] = entry
 
     return update_json_object(_store(), add)
@@ -102,7 +101,7 @@ def _usable(k: str, entry: Any) -> bool:
     ok = (all(_number(entry.get(f)) and entry[f] > 0 for f in ("fixed_scale", "roofline_scale"))
           and all(_number(entry.get(f, 1.0)) and entry.get(f, 1.0) >= 0
                   for f in ("prefill_scale", "request_scale", "median_error",
-                            "median_error_uncalibrated"))
+                            "median_error_uncalibrated", "fit_loss", "fit_loss_uncalibrated"))
           and isinstance(entry.get("points", []), list)
           and all(isinstance(entry.get(f, ""), str) for f in ("family", "recorded_at")))
     if not ok:

@@ -117,8 +117,9 @@ def with_drafts(shape: EngineShape, draft: EngineShape, k: int, acc: Acceptance
     """`shape` verifying k drafts of an already built draft layer (k = 0: no speculation)."""
     if k <= 0:
         return dataclasses.replace(shape, spec_tokens=0, spec_yield=1.0, draft=None)
+    seqs = min(shape.max_num_seqs, max(1, shape.max_num_batched_tokens // (1 + k)))
     return dataclasses.replace(shape, spec_tokens=k, spec_yield=acc.tokens_per_step(k),
-                               draft=draft)
+                               draft=draft, max_num_seqs=seqs)
 
 
 def step_speedup(shape: EngineShape, draft: EngineShape, k: int, acc: Acceptance,

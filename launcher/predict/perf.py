@@ -14,7 +14,9 @@
 - TTFT = own prefill + per-request cost + the wait behind OTHER prompts: staggered users
   (random arrivals) wait rho / (1 - rho) x half a prompt (M/D/1, rho the others' prefill share
   of engine time); benchmark clients with fixed lengths move in waves, half of the others'
-  prompts before the first token. A lone request: its own prefill plus fixed costs.
+  prompts before the first token. The others' prompts that do not delay the first token ride
+  in the decode steps (TPOT), so a request's life holds each of them once. A lone request:
+  its own prefill plus fixed costs.
 - closed loop: concurrency C gives, by Little's law, C / (TTFT + (output - 1) x TPOT)
   requests per second; beyond the running limit the rest queue for a slot.
 """
@@ -65,6 +67,14 @@ def prefill_step_s(s: EngineShape, chunk: float, running: float, ctx: float,
     return step_s(s, running, ctx, chunk, prefix)
 
 
+def _chunks(s: EngineShape, length: float, running: float) -> int:
+    """How many steps a `length`-token prompt takes beside `running` decodes."""
+    if not s.chunked_prefill or length <= 0:
+        return 1
+    budget = max(s.max_num_batched_tokens - running * (1 + s.spec_tokens), 1.0)
+    return max(1, math.ceil(length / budget))
+
+
 def prompt_s(s: EngineShape, length: float, running: float, ctx: float) -> tuple[float, float]:
     """(the prompt's own steps, the time it adds to the running requests' steps) for a
     `length`-token prompt beside `running` decodes."""
@@ -73,8 +83,7 @@ def prompt_s(s: EngineShape, length: float, running: float, ctx: float) -> tuple
     if not s.chunked_prefill:  # a whole prompt is a step of its own (V0, MLA on CPU)
         own = step_s(s, 0.0, 0.0, length, 0.0)
         return own, own
-    budget = max(s.max_num_batched_tokens - running * (1 + s.spec_tokens), 1.0)
-    n = max(1, math.ceil(length / budget))
+    n = _chunks(s, length, running)
     chunk = length / n
     idx = range(n) if n <= CHUNK_SAMPLES else [
         round(i * (n - 1) / (CHUNK_SAMPLES - 1)) for i in range(CHUNK_SAMPLES)]
@@ -152,19 +161,32 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None) 
     steps = max(w.output_len - 1, 1)
     others_n = max(b - 1.0, 0.0)
     own, added = prompt_s(s, w.input_len, others_n, ctx)
-    others = others_n * added
+    # The other prompts' chunk steps: those that fall in this request's decode window slow its
+    # tokens (each adds `added / n` to a decode step); when there are more of them than the
+    # request has tokens (long prompts, many running: prefill-bound) the rest run before its
+    # first token, at a chunk step's full time.
+    n = _chunks(s, w.input_len, others_n)
+    slots = others_n * n
+    inside = min(slots, float(steps))
+    in_decode = inside * added / n
+    before = (slots - inside) * own / n
     request = s.constants.request_us * 1e-6
     boundary = t_dec / 2 if others_n > 0 else 0.0  # arriving mid-step waits for its end
     if w.synchronized:
         # Fixed lengths, clients started together (benchmarks): waves. Half the wave's other
         # prompts land before the first token, half in decode.
-        tpot = t_dec + others / 2 / steps
-        ttft = own + others / 2 + boundary + request
+        tpot = t_dec + in_decode / 2 / steps
+        ttft = own + in_decode / 2 + before + boundary + request
     else:
-        tpot = t_dec + others / steps
+        # Staggered users: a request arriving while other prompts are prefilled waits for
+        # them (M/D/1: rho / (1 - rho) x half a prompt, rho their share of engine time); the
+        # rest of the others' prompts ride in its decode steps. Either way each request's
+        # life holds every other prompt once.
         cycle = steps * t_dec + b * added
-        rho = min(others / cycle, MAX_RHO) if cycle > 0 else 0.0
-        ttft = own + rho / (1 - rho) * added / 2 + boundary + request
+        rho = min(in_decode / cycle, MAX_RHO) if cycle > 0 else 0.0
+        wait = min(rho / (1 - rho) * added / 2, in_decode)
+        tpot = t_dec + (in_decode - wait) / steps
+        ttft = own + wait + before + boundary + request
     e2e = ttft + steps * tpot
     if load > b:  # the rest wait for a slot: Little's law on the closed loop
         ttft += (load - b) / (b / e2e)
@@ -272,7 +294,13 @@ class Calibration:
     median_error: float
     prefill_scale: float = 1.0
     request_scale: float = 1.0
-    median_error_uncalibrated: float = 0.0
+    uncalibrated_error: float = 0.0
+    """The same median |error| of output tokens/s with every scale at 1.0 (reported beside it;
+    the fit minimises `loss`, so this one figure may move either way)."""
+    loss: float = 0.0
+    """The fit's objective at the fitted scales: weighted RMS of the log errors."""
+    loss_uncalibrated: float = 0.0
+    """The same objective with every scale at 1.0: the fit may never be worse than no fit."""
 
 
 FIXED_FIELDS = ("layer_us", "moe_layer_us", "allreduce_us", "nccl_us", "network_us", "step_us",
@@ -291,9 +319,9 @@ def scaled(c: Constants, cal: Calibration) -> Constants:
         request_us=c.request_us * cal.request_scale)
 
 
-PRIOR = 0.01
-"""Weight of log(scale)^2 per scale in the calibration loss (a 2x scale costs as much as a 7%
-error on one point): unidentified scales stay near 1."""
+PRIOR = 0.001
+"""Weight of log(scale)^2 per scale in the calibration loss (a 2x scale costs as much as a 2%
+error on one point): scales the points cannot tell apart stay near 1."""
 
 CAL_GRID = tuple(2.0 ** i for i in range(-4, 5))
 """Scales tried: 1/16 to 16 in steps of 2 (the loss has separate valleys: prefill and decode
@@ -345,9 +373,10 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
         if value < best_loss:
             best, best_loss = x, value
     lo, hi = CAL_GRID[0] / 4, CAL_GRID[-1] * 4
-    for steps in (CAL_GRID, None, None, None):
+    for steps in (CAL_GRID, 8, 8, 32, 128):
         for i in range(4):
-            values = steps or [min(max(best[i] * 2 ** (j / 8), lo), hi) for j in range(-8, 9)]
+            values = steps if isinstance(steps, tuple) else [
+                min(max(best[i] * 2 ** (j / steps), lo), hi) for j in range(-8, 9)]
             for v in values:
                 x = tuple(v if k == i else best[k] for k in range(4))
                 value = loss(x)
@@ -358,8 +387,12 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
         tput = sorted(abs(math.expm1(a)) for a, _, _ in errors(x))
         return tput[len(tput) // 2]
 
+    def rms(x: tuple[float, ...]) -> float:
+        return math.sqrt(loss(x) / (3.5 * len(pts)))
+
+    unit = (1.0, 1.0, 1.0, 1.0)
     return Calibration(best[0], best[1], len(pts), median_tput(best), best[2], best[3],
-                       median_tput((1.0, 1.0, 1.0, 1.0)))
+                       median_tput(unit), rms(best), rms(unit))
 
 
 def _with(s: EngineShape, k: Constants) -> EngineShape:

@@ -86,8 +86,7 @@ def _constants_for(spec: ModelSpec, hw: Hardware, cand: Any, version: str
         entry, source = hit[1], "model"
     cal = perf.Calibration(entry["fixed_scale"], entry["roofline_scale"],
                            len(entry.get("points", [])), entry.get("median_error", 0.0),
-                           entry.get("prefill_scale", 1.0), entry.get("request_scale", 1.0),
-                           entry.get("median_error_uncalibrated", 0.0))
+                           entry.get("prefill_scale", 1.0), entry.get("request_scale", 1.0))
     note = (f"performance calibrated from {cal.points} measured point(s) of "
             + ("this engine" if source == "measured" else "another layout on this hardware")
             + f" (vlaunch tune, {entry.get('recorded_at', '?')}; fit error "

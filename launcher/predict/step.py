@@ -40,38 +40,39 @@ class Constants:
     """Efficiencies (shares of a peak) and fixed costs (microseconds). The values are the fit of
     `bench/perf_fit.py` inside the BOUNDS there, rounded; each field says its physical range."""
 
-    hbm_eff: float = 0.9
+    hbm_eff: float = 0.81
     """Share of peak HBM bandwidth weight and KV reads reach. Range 0.6-0.92: aiconfigurator's
     vLLM GEMM tables give 0.76-0.86 for bf16 weights, FlashMLA decode ~0.9 of H800's HBM
     (ai-dynamo/aiconfigurator; deepseek-ai/FlashMLA README)."""
-    compute_eff: float = 0.3
-    """Share of dense tensor peak a decode step's GEMMs and attention reach. Range 0.3-0.70:
+    compute_eff: float = 0.55
+    """Share of dense tensor peak a decode step's GEMMs and attention reach. Range 0.4-0.70:
     aiconfigurator measures 0.5-0.59 for fp8 and ~0.8 for bf16 GEMMs at large M; decode M is
     small, so <= 0.70 (the issue's bound)."""
-    prefill_eff: float = 0.3
-    """Share of dense tensor peak a prefill chunk's GEMMs and attention reach. Range 0.3-0.75:
-    FlashAttention-3 reaches ~740 of 989 bf16 TFLOPS on H100 (~75%, arXiv 2407.08608)."""
-    moe_eff: float = 0.6
+    prefill_eff: float = 0.5
+    """Share of dense tensor peak a prefill chunk's GEMMs and attention reach. Range 0.45-0.75:
+    FlashAttention-3 reaches ~740 of 989 bf16 TFLOPS on H100 (~75%, arXiv 2407.08608);
+    aiconfigurator's large-M GEMMs 0.79-0.81 (bf16) and 0.50-0.59 (fp8) of peak."""
+    moe_eff: float = 0.5
     """Share of the roofline (bandwidth and compute alike) a fused-MoE grouped GEMM reaches,
     beyond the dense GEMMs' efficiencies: routing, permutation and per-expert tiles. Range
     0.05-1.0: aiconfigurator's vLLM fused-MoE tables give median utilisation 0.53 (bf16), 0.40
     (fp8), 0.23 (nvfp4), 0.07 (int4 weight-only)."""
-    layer_us: float = 42.0
+    layer_us: float = 27.0
     """Fixed cost per layer per step: ~6-10 kernels of ~2-4 us each under CUDA graphs (norms,
     rotary, KV write, activation). Range 5-60 us; aiconfigurator's element-wise op floor is
     ~3 us and its GEMM floor 3.8-8.7 us."""
-    moe_layer_us: float = 117.0
+    moe_layer_us: float = 120.0
     """Floor of one fused-MoE layer (router, top-k, permutation, grouped-GEMM set-up). Range
     20-120 us: aiconfigurator's vLLM fused-MoE tables floor at 22-50 us."""
-    allreduce_us: float = 11.0
+    allreduce_us: float = 9.5
     """Latency of one vLLM custom all-reduce inside NVLink / Infinity Fabric under a CUDA graph.
     Range 4-25 us: 5.1 us at 8 KB on 8xH100, ~20 us outside a graph (vLLM
     custom_all_reduce benchmarks, csrc/custom_all_reduce.cuh)."""
-    link_eff: float = 0.3
+    link_eff: float = 0.59
     """Share of the link bandwidth a collective's ring moves bytes at. Range 0.3-0.9: with
     allreduce_us = 8 it gives vLLM's custom all-reduce on 8xH100 (7.9 us at 128 KB, 15.0 at
     1 MB, 19.4 at 2 MB); nccl-tests reach ~0.8 of NVLink as bus bandwidth at large sizes."""
-    nccl_us: float = 30.0
+    nccl_us: float = 16.0
     """Latency of one NCCL collective inside a node where vLLM's custom all-reduce does not
     apply (EP all-gather / reduce-scatter, DP synchronisation, PCIe). Range 8-30 us: nccl-tests
     on 8xH100 ~16 us at 8 KB."""
@@ -79,21 +80,21 @@ class Constants:
     """Latency of one collective or pipeline hop that crosses nodes (InfiniBand / RoCE). Range
     15-120 us: NCCL across two HGX nodes adds ~10-30 us to the intra-node latency per call, more
     on RoCE and through rail switches (nccl-tests multi-node all-reduce at small sizes)."""
-    step_us: float = 320.0
+    step_us: float = 345.0
     """Per engine step: scheduler, sampler, input preparation, output processing (V1 engine).
     Range 100-3,000 us: V1 overlaps scheduling with the GPU but a step still costs ~0.5 ms of
     host work (vLLM V1 alpha blog, 2025-01-27)."""
-    v0_step_us: float = 3400.0
+    v0_step_us: float = 3000.0
     """Extra per step in the V0 engine (synchronous scheduling, Python sampler and detokeniser
     on the critical path). Range 0-10,000 us: the V1 blog reports V0's CPU overhead as what V1
     removed (1.7x throughput); used only for rows measured on V0 releases."""
-    v0_kernel_eff: float = 0.43
+    v0_kernel_eff: float = 0.5
     """Share of these efficiencies the kernels of V0-era releases (vLLM < 0.8: Triton block-FP8
     and fused-MoE GEMMs before CUTLASS/DeepGEMM, MLA before FlashMLA's prefill path, no
     torch.compile fusion) reached. Range 0.05-1.0: Neural Magic measured DeepSeek-R1 on vLLM
     0.7.0 at 238 and 0.7.1 at 821 output tok/s on the same GPUs (3.4x from kernels alone,
     neuralmagic.com 'Enhancing DeepSeek models with MLA and FP8'). Used only for V0 rows."""
-    request_us: float = 24500.0
+    request_us: float = 26000.0
     """Per request before its first token: HTTP, tokenisation, engine hand-off, first chunk out.
     Range 1-60 ms: Qwen3-8B on H100 at concurrency 1 measures 59 ms TTFT for a 233-token prompt
     of ~10 ms compute (gpustack performance lab)."""
@@ -106,8 +107,8 @@ class Constants:
 DEFAULT = Constants()
 
 BOUNDS: dict[str, tuple[float, float]] = {
-    "hbm_eff": (0.6, 0.92), "moe_eff": (0.05, 1.0), "compute_eff": (0.3, 0.70),
-    "prefill_eff": (0.3, 0.75),
+    "hbm_eff": (0.6, 0.92), "moe_eff": (0.05, 1.0), "compute_eff": (0.4, 0.70),
+    "prefill_eff": (0.45, 0.75),
     "layer_us": (5.0, 60.0), "moe_layer_us": (20.0, 120.0), "allreduce_us": (4.0, 25.0),
     "link_eff": (0.3, 0.9), "nccl_us": (8.0, 30.0), "network_us": (15.0, 120.0),
     "step_us": (100.0, 3000.0),
@@ -276,8 +277,12 @@ def engine_shape(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_bytes_per_t
     dense_b, expert_b = _bytes_per_rank(spec, layout)
     dec, pre = attn_dims(spec)
     layers_stage = max(len(r) for r in B.pp_stages(spec.num_layers, layout.pp))
-    if kind.nvlink and kind.nvlink_gbps:
-        link, link_bw = ("xgmi" if kind.platform == "rocm" else "nvlink"), kind.nvlink_gbps * 1e9
+    if kind.platform == "rocm" and kind.nvlink_gbps:
+        # Infinity Fabric: every GPU has a direct xGMI link to each of its peers in the node,
+        # and vLLM's custom all-reduce runs over them as over NVLink
+        link, link_bw = "xgmi", kind.nvlink_gbps * 1e9 * max(1, hw.gpus_per_node - 1)
+    elif kind.nvlink and kind.nvlink_gbps:
+        link, link_bw = "nvlink", kind.nvlink_gbps * 1e9
     else:
         link, link_bw = "pcie", PCIE_BW
     grow, windows = _kv_shares(spec, layout.tp)

@@ -181,7 +181,7 @@ def test_deepseek_8xh200_decisions_hold_for_the_right_reason(mtp):
 def test_deepseek_8xh200_throughput_is_dp_ep(mtp):
     plan = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"), Pins(speculative=mtp),
                      objective="throughput")
-    assert plan.chosen.layout.dp == 8 and plan.chosen.layout.expert_parallel
+    assert plan.chosen.layout.dp > 1 and plan.chosen.layout.expert_parallel
 
 
 def test_runner_ups_are_the_best_version_of_their_layout():

@@ -462,7 +462,7 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
             k, max_num_batched_tokens=max(default, k.max_num_seqs or 0) or None))
         if not search.serves(goal, twin):
             reasons.append(f"max-num-batched-tokens {tokens:,}: at vLLM's default {default:,} "
-                           f"this candidate {twin.cand.problem or 'does not fit'}")
+                           f"this candidate does not fit ({twin.cand.problem or 'no memory'})")
             return
         search.speed(goal, twin, full=False)
         if a is None or twin.perf is None:

@@ -232,7 +232,7 @@ SHOWN = 6
 """The chosen layout and the runner-ups the plan shows: always varied in full, so each is shown
 at its best version."""
 
-TOKEN_KEEP = 2
+TOKEN_KEEP = 1
 """Chunk sizes of each layout and KV dtype that carry on to the draft variants."""
 
 

@@ -130,6 +130,19 @@ def headline(in_sample: list[perf_validation.PerfResult],
     return "\n".join(lines)
 
 
+def spread(held_out: list[perf_validation.PerfResult], quantity: str) -> tuple[float, float]:
+    """(10th, 90th) percentile of the held-out relative error of `quantity`: what
+    perf.HELD_OUT_SPREAD ships, the plans' performance.range."""
+    errs = sorted(r.error for r in held_out if r.quantity == quantity)
+    if not errs:
+        return (0.0, 0.0)
+    def at(q: float) -> float:
+        i = q * (len(errs) - 1)
+        lo, hi = math.floor(i), math.ceil(i)
+        return errs[lo] + (errs[hi] - errs[lo]) * (i - lo)
+    return at(0.1), at(0.9)
+
+
 def main() -> int:
     cases, _ = perf_validation.cases()
     start = score(perf.DEFAULT, cases)
@@ -143,7 +156,12 @@ def main() -> int:
         print(f"  {f.name} = {getattr(best, f.name):.4g}   (shipped "
               f"{getattr(perf.DEFAULT, f.name)}; range {BOUNDS[f.name]})")
     fitted = [r for c in cases for r in c.results(best)]
-    print(headline(fitted, leave_one_source_out(cases)).replace("(shipped)", "(fitted)"))
+    held = leave_one_source_out(cases)
+    print(headline(fitted, held).replace("(shipped)", "(fitted)"))
+    print("held-out error spread (10th, 90th percentile) for perf.HELD_OUT_SPREAD:")
+    for q in ("output_tok_s", "tpot_ms"):
+        lo, hi = spread(held, q)
+        print(f"  {q}: ({lo:+.3f}, {hi:+.3f})")
     return 0
 
 

@@ -251,3 +251,32 @@ def test_calibration_is_recorded_and_plans_say_measured(tmp_path, monkeypatch):
     other = make_plan(spec, hw, Pins(vllm_version="0.32.0", tp=2, kv_cache_dtype="auto"))
     perf_d = other.to_dict()["performance"]
     assert perf_d["source"] == "model" and "another layout" in perf_d["notes"][0]
+
+
+def test_plans_carry_the_held_out_range_around_their_figures():
+    d = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"), V).to_dict()
+    perf_d, r = d["performance"], d["performance"]["range"]
+    knee = perf_d["knee"]
+    assert r["low"] <= knee["output_tokens_per_s"] <= r["high"]
+    assert r["tpot_ms"]["low"] <= knee["tpot_ms"] <= r["tpot_ms"]["high"]
+    lo, hi = perf.HELD_OUT_SPREAD["output_tokens_per_s"]
+    assert r["low"] == pytest.approx(knee["output_tokens_per_s"] / (1 + hi), rel=1e-3)
+    assert "likely" in make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
+                                 V).performance.figure("balanced")
+
+
+def test_the_performance_models_import_no_planner_search_or_serving_decision():
+    # models -> search -> plan, one way: ops/step/perf/mtp/perfplan never reach back.
+    import ast
+    from pathlib import Path
+
+    root = Path(perf.__file__).parent
+    banned = {"planner", "serving", "speculative", "capacity", "planshape"}
+    for name in ("ops", "step", "perf", "mtp", "perfplan"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mods = {(node.module or "").split(".")[-1]} | {a.name for a in node.names}
+                assert not mods & banned, (name, ast.dump(node))
+            elif isinstance(node, ast.Import):
+                assert not {a.name.split(".")[-1] for a in node.names} & banned, name

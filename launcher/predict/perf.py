@@ -43,10 +43,27 @@ from .step import (
 __all__ = ["DEFAULT", "Constants", "EngineShape", "engine_shape", "touched_fraction", "Point",
            "point", "knee", "curve", "binding", "decode_step_s", "prefill_step_s",
            "prompt_s", "running_limit", "max_running", "open_loop_rate", "Calibration",
-           "scaled", "calibrate"]
+           "scaled", "calibrate", "value_range", "HELD_OUT_SPREAD"]
 
 MAX_RHO = 0.95
 """Cap on the other prompts' share of engine time in the staggered TTFT queueing term."""
+
+HELD_OUT_SPREAD: dict[str, tuple[float, float]] = {
+    "output_tokens_per_s": (-0.214, 0.861),
+    "tpot_ms": (-0.339, 0.478),
+}
+"""10th and 90th percentile of the relative error (predicted / measured - 1) of each quantity
+when every publication's rows are predicted by constants fitted without them (`python
+bench/perf_fit.py`, leave one source out). A prediction x then stands for a measurement
+between x / (1 + high) and x / (1 + low): the plans' performance.range."""
+
+
+def value_range(quantity: str, predicted: float) -> tuple[float, float]:
+    """(low, high) of what a deployment predicted at `predicted` has measured, on the held-out
+    spread of the published rows."""
+    lo, hi = HELD_OUT_SPREAD[quantity]
+    return predicted / (1 + hi), predicted / (1 + lo)
+
 
 CHUNK_SAMPLES = 8
 """A long prompt's chunks are timed at this many evenly spaced positions and the mean scaled

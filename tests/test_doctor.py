@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -620,3 +621,30 @@ def test_evidence_escapes_control_characters_and_hides_secrets(tmp_path: Path):
     assert "\\x1b]0;owned\\x07" in r.output
     run = next(x for x in r.output.splitlines() if x.strip().startswith("run:"))
     assert '--api-key "$VLLM_API_KEY"' in run and '--hf-token "$HF_TOKEN"' in run
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_skipping_to_the_last_launch_changes_nothing(tmp_path: Path, seed: int):
+    """A file is read from its last launch (what a restart resets to); the report must equal
+    the one a line-by-line scan of the whole text gives, lines and launches included, for any
+    order of appended start-ups, in one file or split over a folder."""
+    import random
+
+    logs = sorted(FIXTURES.glob("*.log"))
+    rng = random.Random(seed)
+    picked = [rng.choice(logs).read_text() for _ in range(rng.randint(1, 12))]
+    text = "".join(picked)
+    whole = vf.scan_text(text)
+    one = tmp_path / "one" / "vllm.log"
+    one.parent.mkdir()
+    one.write_text(text)
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i, part in enumerate(picked):
+        p = folder / f"vllm-{i:02d}.log"
+        p.write_text(part)
+        os.utime(p, (1_000_000 + i, 1_000_000 + i))
+    for source in (str(one), str(folder)):
+        got = vf.scan_source(source)[0]
+        assert (got.lines, got.launches, got.phase) == (whole.lines, whole.launches, whole.phase)
+        assert [d.to_dict() for d in got.diagnoses] == [d.to_dict() for d in whole.diagnoses]

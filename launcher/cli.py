@@ -75,13 +75,17 @@ def gpus_cmd(fmt: str) -> None:
     import os
 
     from .inputs import inventory
+    from .term import width
 
-    inv = inventory.read_inventory()
+    try:
+        inv = inventory.read_inventory()
+    except inventory.NoGPUError as e:
+        raise inventory.no_gpu_for_gpus(e) from None
     if fmt == "json":
         click.echo(json.dumps(inv.to_dict(), indent=2))
     else:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        click.echo(inventory.render_table(inv, color=color))
+        click.echo(inventory.render_table(inv, color=color, width=width()))
 
 
 def _hardware(gpus: str | None):
@@ -606,7 +610,9 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     if fmt == "json":
         click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
     else:
-        click.echo(doctor.render(report, names))
+        from .term import width
+
+        click.echo(doctor.render(report, names, width()))
     sys.exit(1 if report.diagnoses else 0)
 
 

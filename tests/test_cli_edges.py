@@ -96,7 +96,7 @@ def test_gpus_text_format_is_the_table(monkeypatch):
     from launcher.inputs import inventory
 
     monkeypatch.setattr(inventory, "read_inventory", lambda: "INV")
-    monkeypatch.setattr(inventory, "render_table", lambda inv, color: f"table of {inv}")
+    monkeypatch.setattr(inventory, "render_table", lambda inv, color, width=None: f"table of {inv}")
     r = CliRunner().invoke(cli, ["gpus", "--format", "text"])
     assert r.exit_code == 0 and r.output.strip() == "table of INV"
 

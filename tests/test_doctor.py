@@ -342,6 +342,17 @@ def _write_log(tmp_path: Path, args: dict, *errors: str) -> Path:
     return log
 
 
+def _labelled_line(text: str, label: str) -> str:
+    """The `fix:`/`run:` command of a text report, its backslash continuations joined."""
+    lines = text.splitlines()
+    i = next(n for n, x in enumerate(lines) if x.strip().startswith(f"{label}:"))
+    out = lines[i].split(f"{label}:", 1)[1].strip()
+    while out.endswith("\\"):
+        i += 1
+        out = out[:-1].rstrip() + " " + lines[i].strip()
+    return out
+
+
 def test_no_kv_memory_fix_the_planner_refuses_is_never_shown(tmp_path):
     """Qwen3-8B at utilization 0.50 on a 24 GB card: the log's "+0.05" fix still leaves the
     40,960-token request without room; the doctor shows a fix the planner fits instead, and
@@ -355,9 +366,8 @@ def test_no_kv_memory_fix_the_planner_refuses_is_never_shown(tmp_path):
     assert d.fix_args != ["--gpu-memory-utilization", "0.55"]
     assert any("0.55" in x and "does not fit" in x for x in d.explain)
     r = CliRunner().invoke(cli, ["doctor", str(log), "qwen3-8b", "--gpus", "1xL4"])
-    fix = next(x for x in r.output.splitlines() if x.strip().startswith("fix:"))
-    run = next(x for x in r.output.splitlines() if x.strip().startswith("run:"))
-    flags = fix.split("fix:")[1].split()
+    fix, run = _labelled_line(r.output, "fix"), _labelled_line(r.output, "run")
+    flags = fix.split()
     for i in range(0, len(flags), 2):
         assert f"{flags[i]} {flags[i + 1]}" in run
 
@@ -619,7 +629,7 @@ def test_evidence_escapes_control_characters_and_hides_secrets(tmp_path: Path):
         assert "sk-live-123" not in r.output and "hf_abc" not in r.output
     r = CliRunner().invoke(cli, ["doctor", str(log)])
     assert "\\x1b]0;owned\\x07" in r.output
-    run = next(x for x in r.output.splitlines() if x.strip().startswith("run:"))
+    run = _labelled_line(r.output, "run")
     assert '--api-key "$VLLM_API_KEY"' in run and '--hf-token "$HF_TOKEN"' in run
 
 
@@ -648,3 +658,15 @@ def test_skipping_to_the_last_launch_changes_nothing(tmp_path: Path, seed: int):
         got = vf.scan_source(source)[0]
         assert (got.lines, got.launches, got.phase) == (whole.lines, whole.launches, whole.phase)
         assert [d.to_dict() for d in got.diagnoses] == [d.to_dict() for d in whole.diagnoses]
+
+
+def test_every_rule_match_holds_one_of_its_keys():
+    """The keys that let a line skip a rule's pattern must never hide a match: every fixture
+    line any rule's pattern matches holds one of that rule's keys."""
+    assert set(vf.RULE_KEYS) == {r.cause for r in vf.RULES}
+    for path in FIXTURES.glob("*.log"):
+        for line in path.read_text().splitlines():
+            content = vf.split_line(0, line).content
+            for rule in vf.RULES:
+                if rule.pattern.search(content):
+                    assert any(k in content for k in vf.RULE_KEYS[rule.cause]), (rule.cause, line)

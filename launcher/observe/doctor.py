@@ -31,6 +31,7 @@ from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_t
 from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
 from ..predict.planner import Pins, inputs_from_plan, make_plan
 from ..predict.replan import merge_args, replan_pins
+from ..term import PIPED_WIDTH, fit, shell_lines, wrap
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
 
@@ -757,29 +758,37 @@ def diagnose(source: str, ctx: PlanContext | None = None,
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def render(report: Report, names: list[str]) -> str:
-    """The report for people: the root cause first, each with evidence, fix and command."""
+def render(report: Report, names: list[str], width: int = PIPED_WIDTH) -> str:
+    """The report for people: the root cause first, each with evidence, fix and command, every
+    line within `width` columns (long log lines wrap under their "|", reasons under their
+    "-", the command continued with backslashes so it still pastes)."""
     src = ", ".join(names)
-    out = [f"vlaunch doctor: {src} ({report.lines:,} lines; furthest phase: "
-           f"{report.phase or 'none'})"]
+    out = fit([f"vlaunch doctor: {src} ({report.lines:,} lines; furthest phase: "
+               f"{report.phase or 'none'})"], width)
     if not report.diagnoses:
-        out.append("no failure found: vLLM printed no error this doctor knows or that looks like "
-                   "one")
+        out += fit(["no failure found: vLLM printed no error this doctor knows or that looks "
+                    "like one"], width)
         return "\n".join(out)
     for i, d in enumerate(report.diagnoses):
         title = "root cause" if i == 0 else "also"
         ranks = f", ranks: {d.ranks}" if d.ranks > 1 else ""
         out.append("")
-        out.append(f"{title}: {d.cause} (phase: {d.phase}, consumer: {d.consumer}{ranks}"
-                   + (", transient" if d.transient else "") + ")")
+        out += fit([f"{title}: {d.cause} (phase: {d.phase}, consumer: {d.consumer}{ranks}"
+                    + (", transient" if d.transient else "") + ")"], width)
         for e in d.evidence[:4]:
-            out.append(f"  | {e[:300]}")
+            out += wrap(e[:600], width, indent="  | ", hang="  | ")
         for x in d.explain:
-            out.append(f"  - {x}")
+            out += fit([f"  - {x}"], width)
         if d.fix_args or d.fix_env:
-            env = " ".join(f"{k}={v}" for k, v in d.fix_env.items())
-            out.append("  fix: " + " ".join(filter(None, [env, shlex.join(d.fix_args)])))
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in d.fix_env.items())
+            fix = " ".join(filter(None, [env, shlex.join(d.fix_args)]))
+            out += _labelled("fix", fix, width)
         if d.serve_command:
-            out.append(f"  run: {d.serve_command}")
+            out += _labelled("run", d.serve_command, width)
     return "\n".join(out)
 
+
+def _labelled(label: str, command: str, width: int) -> list[str]:
+    """`  fix: CMD`, the command wrapped with backslashes when it is wider than the text."""
+    lines = shell_lines(command, width, indent=" " * (len(label) + 4))
+    return [f"  {label}: " + lines[0].lstrip()] + lines[1:]

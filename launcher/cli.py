@@ -344,20 +344,23 @@ def profiles_cmd(fmt: str) -> None:
     import json
 
     from .inputs.model import list_profiles
-    from .predict.budget import GiB, param_count, weights_bytes
+    from .predict.budget import GiB, checkpoint_scale, param_count, weights_bytes
 
+    # the plan's names for the same things: model.params, .weights_bytes, .max_context
     rows = [{"name": p.name, "hf_id": p.hf_id, "architecture": p.architecture,
-             "params_b": round(param_count(p) / 1e9, 2),
-             "weights_gib": round(weights_bytes(p) / GiB, 1), "context": p.max_context,
-             "attention": p.attention, "quantization": p.quant.method}
+             "params": param_count(p),
+             "weights_bytes": round(weights_bytes(p) * checkpoint_scale(p)),
+             "max_context": p.max_context, "attention": p.attention,
+             "quantization": p.quant.method}
             for p in list_profiles()]
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2))
         return
     click.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
     for r in rows:
-        click.echo(f"{r['name']:24} {r['params_b']:>8.1f}B {r['weights_gib']:>6.1f} GiB "
-                   f"{r['context']:>8,}  {r['attention']:9}  {r['quantization']}")
+        click.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
+                   f"{r['weights_bytes'] / GiB:>6.1f} GiB "
+                   f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
 
 
 def _serve_options(f):

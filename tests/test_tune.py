@@ -301,7 +301,7 @@ def test_tune_end_to_end_on_a_fake_engine(tmp_path: Path, fake_engine, tiny_spec
 
     saved = json.loads((tmp_path / "out" / "tune.json").read_text())
     assert saved["recommended"] == doc["recommended"]
-    for key in ("vllm_version", "hardware", "started_at", "finished_at", "workload", "slo",
+    for key in ("vllm_version", "gpus", "started_at", "finished_at", "workload", "slo",
                 "baseline", "recommended", "trials"):
         assert key in saved, key
     statuses = {t["status"] for t in saved["trials"]}

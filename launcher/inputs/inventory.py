@@ -899,7 +899,7 @@ def render_table(inv: Inventory, color: bool = False, width: int | None = None) 
     def g(n: int) -> str:
         return f"{n / GiB:.1f}"
 
-    head = ["GPU", "NAME", "MEMORY GiB (used/free/total)", "CC", "MIG", "PROCESSES", "NVLINK"]
+    head = ["GPU", "NAME", "GiB used/free/total", "CC", "MIG", "PROCESSES", "NVLINK"]
     rows = []
     bars = []
     listed: list[str] = []
@@ -924,16 +924,21 @@ def render_table(inv: Inventory, color: bool = False, width: int | None = None) 
     def widths_of(rs: list[list[str]]) -> list[int]:
         return [max(len(r[i]) for r in [head, *rs]) for i in range(len(head))]
 
+    def too_wide(ws: list[int], bar: bool) -> bool:
+        return width is not None and sum(ws) + 2 * (len(ws) - 1) + (_BAR_WIDTH + 4) * bar > width
+
     widths = widths_of(rows)
-    if width is not None and sum(widths) + 2 * len(widths) + _BAR_WIDTH + 2 > width:
+    if too_wide(widths, True):  # first the process lists, then the bar, give way
         for r, short in zip(rows, listed, strict=True):
             if len(r[5]) > len(short):
                 r[5] = short
         widths = widths_of(rows)
+    show_bar = not too_wide(widths, True)
 
     def line(cells: list[str], bar: str) -> str:
         parts = [c.ljust(w) for c, w in zip(cells, widths, strict=True)]
-        parts.insert(2, bar)  # the bar is always _BAR_WIDTH + 2 visible characters
+        if show_bar:
+            parts.insert(2, bar)  # the bar is always _BAR_WIDTH + 2 visible characters
         return "  ".join(parts).rstrip()
 
     seen = f"{len(inv.devices)} device{'s' if len(inv.devices) != 1 else ''}"

@@ -557,7 +557,40 @@ class Diagnosis:
                 "fix_args": list(self.fix_args), "explain": list(self.explain),
                 "fix_env": dict(self.fix_env), "serve_command": self.serve_command,
                 "transient": self.transient, "source": self.source,
-                "numbers": dict(self.numbers), "first_line": self.first_line}
+                "numbers": json_numbers(self.numbers), "first_line": self.first_line}
+
+
+# What each message's numbers are called in JSON: the names the plan uses for the same things
+# (max_model_len, gpu_memory_utilization, kv_cache.dtype, tp, ...), with the unit vLLM printed
+# them in (vLLM prints GiB; the plan's byte counts are *_bytes).
+_JSON_NAMES = {
+    "needed": "needed_kv_gib", "available": "available_kv_gib",
+    "estimate": "estimated_max_model_len", "kv_tokens": "kv_cache.tokens",
+    "free": "free_gib", "total": "total_gib", "util": "gpu_memory_utilization",
+    "requested": "requested_gib", "kv_requested": "kv_requested_gib",
+    "initial": "initial_free_gib", "current": "current_free_gib",
+    "num_reqs": "max_num_seqs", "asked": "max_model_len", "derived": "derived_max_model_len",
+    "key": "config_key", "heads": "num_attention_heads", "dtype": "kv_cache.dtype",
+    "method": "quantization", "min": "min_compute_capability", "cur": "compute_capability",
+    "size": "shm_segment_bytes", "segment": "shm_segment", "waited": "waited_s",
+    "unknown": "unknown_arguments", "module": "module", "model": "model", "unit": "unit",
+}
+
+
+def json_numbers(numbers: dict[str, Any]) -> dict[str, Any]:
+    """A diagnosis' numbers under the JSON vocabulary's names ("a.b" nests as {"a": {"b"}});
+    the profiling error's raw byte counts (V0) become GiB like the other releases print."""
+    out: dict[str, Any] = {}
+    for key, value in numbers.items():
+        if key in ("initial", "current") and isinstance(value, (int, float)) and value > 1 << 20:
+            value = round(value / (1 << 30), 2)
+        name = _JSON_NAMES.get(key, key)
+        head, _, tail = name.partition(".")
+        if tail:
+            out.setdefault(head, {})[tail] = value
+        else:
+            out[name] = value
+    return out
 
 
 @dataclass
@@ -648,7 +681,13 @@ class Report:
         return {"diagnoses": [d.to_dict() for d in self.diagnoses], "phase": self.phase,
                 "lines": self.lines, "launches": self.launches,
                 "vllm_version": self.facts.numbers.get("vllm_version"),
-                "model": self.facts.arg("model")}
+                "model": _model_of(self.facts)}
+
+
+def _model_of(facts: Facts) -> dict[str, str] | None:
+    """The log's model as the plan's JSON names it (`model.name`), or None."""
+    name = facts.arg("model") or facts.arg("model_tag")
+    return {"name": str(name)} if name else None
 
 
 class Scanner:

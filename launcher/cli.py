@@ -56,8 +56,10 @@ def format_option(help: str, *extra: str):
               help="Seconds allowed for each fetch of vLLM's /metrics.")
 @click.option("--cache-ttl", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
               help="Seconds a fetch of vLLM's /metrics is reused across scrapes.")
+@format_option("text: what it serves, one line each; json: the same as JSON lines "
+               "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
-                 cache_ttl: float) -> None:
+                 cache_ttl: float, fmt: str) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from .observe import exporter
     from .run.emit import load_plan, startup_deadline_s
@@ -65,7 +67,14 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
     plan = load_plan(plan_path) if plan_path else None
     exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl,
                             startup_timeout_s=startup_deadline_s if plan else None)
-    exporter.run_forever(exp, port, bind, click.echo)
+    if fmt == "json":
+        import json
+
+        def echo(s: str) -> None:
+            click.echo(json.dumps({"message": s}))
+    else:
+        echo = click.echo
+    exporter.run_forever(exp, port, bind, echo)
 
 
 @cli.command("gpus")
@@ -382,6 +391,8 @@ def _serve_options(f):
         click.option("-q", "--quiet", is_flag=True, help="Do not print the plan and progress."),
         click.option("-v", "--verbose", is_flag=True, help="Echo vLLM's log, prefixed."),
         click.option("--dry-run", is_flag=True, help="Print the exact command and environment."),
+        format_option("text: the plan and progress; json: the outcome (with --dry-run the "
+                      "command and environment) on stdout, progress on stderr."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -389,24 +400,30 @@ def _serve_options(f):
 
 
 def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
+    import dataclasses
+    import json
     from pathlib import Path
 
     from .run.serve import serve
 
     log_dir = Path(opts["log_dir"])
     log_dir.mkdir(parents=True, exist_ok=True)
+    as_json = opts["fmt"] == "json"  # progress goes to stderr, one JSON document to stdout
     result = serve(spec, hw, pins, list(extra), max_attempts=opts["max_attempts"],
                    quiet=opts["quiet"], verbose=opts["verbose"], dry_run=opts["dry_run"],
                    metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
-                   stop_timeout=_stop_timeout(opts), out=lambda s: click.echo(s), goals=goals,
-                   plan_hook=plan_hook)
+                   stop_timeout=_stop_timeout(opts),
+                   out=lambda s: click.echo(s, err=as_json), goals=goals, plan_hook=plan_hook)
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     sys.exit(result.exit_code)
 
 
 _SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "port",
-               "startup_timeout", "stop_timeout", "log_dir", "quiet", "verbose", "dry_run")
+               "startup_timeout", "stop_timeout", "log_dir", "quiet", "verbose", "dry_run",
+               "fmt")
 
 
 def _stop_timeout(opts: dict) -> float:
@@ -463,12 +480,20 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
         launch = build_launch(d, role=role)
         log_dir = Path(opts["log_dir"])
         log_dir.mkdir(parents=True, exist_ok=True)
-        sys.exit(run_node(launch, d, port=opts["port"],
-                          metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
-                          metrics_bind=opts["metrics_bind"], log_dir=log_dir,
-                          dry_run=opts["dry_run"], verbose=opts["verbose"],
-                          startup_timeout=opts["startup_timeout"],
-                          stop_timeout=_stop_timeout(opts), extra=list(extra), out=click.echo))
+        as_json = opts["fmt"] == "json"
+        rc = run_node(launch, d, port=opts["port"],
+                      metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
+                      metrics_bind=opts["metrics_bind"], log_dir=log_dir,
+                      dry_run=opts["dry_run"], verbose=opts["verbose"],
+                      startup_timeout=opts["startup_timeout"],
+                      stop_timeout=_stop_timeout(opts), extra=list(extra),
+                      out=lambda s: click.echo(s, err=as_json))
+        if as_json:
+            import json
+
+            click.echo(json.dumps({"exit_code": rc, "role": launch.role,
+                                   "node_rank": launch.node_rank}, indent=2))
+        sys.exit(rc)
     from .predict.planner import inputs_from_plan
 
     spec, hw, pins = inputs_from_plan(d)

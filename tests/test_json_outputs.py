@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import jsonschema
-import pytest
 import pynvml
+import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -140,3 +140,35 @@ def test_tune_schema_matches_the_tune_json_names():
     schema = json.loads((SCHEMAS / "tune.json").read_text())
     assert schema["$defs"]["trial"]["properties"]["status"]["enum"] == list(tune.STATUSES)
     assert "gpus" in schema["required"] and "hardware" not in schema["properties"]
+
+
+def test_serve_dry_run_prints_one_labelled_command_on_a_fixed_port(monkeypatch):
+    """Two dry runs print the same thing: the plan (without its own command section), then one
+    labelled command on vLLM's default port, every line within the width; --format json gives
+    the same command and environment as data."""
+    monkeypatch.setenv("COLUMNS", "90")
+    args = ["serve", "qwen3-8b", "--gpus", "1xH200", "--dry-run", "--no-metrics"]
+    first = CliRunner().invoke(cli, args)
+    assert first.exit_code == 0, first.output
+    assert first.output == CliRunner().invoke(cli, args).output
+    lines = first.output.splitlines()
+    labels = [x for x in lines if "would run" in x]
+    assert len(labels) == 1 and "port 8000" in labels[0]
+    assert not any(x.strip() == "command:" for x in lines)
+    after = lines[lines.index(labels[0]) + 1:]
+    assert all(x.endswith(" \\") for x in after[:-1]) and "--port 8000" in " ".join(after)
+    assert all(len(x) <= 90 for x in after + labels)
+    r = CliRunner().invoke(cli, [*args, "--format", "json"])
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == 0 and doc["command"][-4:-2] == ["--port", "8000"] or \
+        "--port" in doc["command"]
+    assert doc["env"] and doc["plan"]["model"]["name"] == "qwen3-8b"
+
+
+def test_text_output_fits_the_terminal_for_doctor(monkeypatch):
+    for cols in (60, 80, 120):
+        monkeypatch.setenv("COLUMNS", str(cols))
+        for name in ("nccl_shm_container.log", "ranks8_oom_tp8.log", "unknown_no_space.log"):
+            out = CliRunner().invoke(cli, ["doctor", str(FIXTURES / name)]).output
+            too_long = [x for x in out.splitlines() if len(x) > cols]
+            assert not too_long, (cols, name, too_long)

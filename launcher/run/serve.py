@@ -43,6 +43,8 @@ from ..predict.capabilities import lesson_key, record_lesson
 from ..predict.planner import Pins, Plan, make_plan
 from ..predict.replan import merge_args, replan_pins
 from ..render import plan_text
+from ..term import command as command_lines
+from ..term import fit, width
 from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadline_s
@@ -65,6 +67,8 @@ class ServeResult:
     attempts: list[Attempt] = field(default_factory=list)
     plan: dict[str, Any] | None = None
     actual: dict[str, Any] | None = None
+    command: list[str] | None = None  # a dry run: the argv vlaunch would execute
+    env: dict[str, str] | None = None  # ... and the environment it adds
 
 
 def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra: list[str],
@@ -114,6 +118,7 @@ def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], di
     return lines, numbers
 
 
+DRY_RUN_PORT = 8000  # vLLM's default --port (entrypoints/launchers/cli_args.py, 0.32.0)
 PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
                   ("pp", ("--pipeline-parallel-size", "-pp")),
                   ("dp", ("--data-parallel-size", "-dp")))
@@ -251,7 +256,10 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     # One API port for every attempt, so the exporter (up from the start, showing
     # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
     user_port = arg_value(extra, "--port")
-    api_port = int(user_port) if user_port else (port or free_port())
+    # A dry run shows vLLM's default port, not a random free one that the next run would not
+    # use either; a real run takes a free port unless one is given.
+    api_port = int(user_port) if user_port else (port or (DRY_RUN_PORT if dry_run
+                                                          else free_port()))
     transient_retried = False
     run_id = new_run_id()
     try:
@@ -262,7 +270,9 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
             d = plan.to_dict()
             result.plan = d
             if number == 1:
-                say(plan_text(d))
+                # a dry run prints the one command it would run, labelled, instead of the plan's
+                text = plan_text(d)
+                say(text.split("\n  command:")[0] if dry_run and plan.fits else text)
             if not plan.fits:
                 out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
                 result.exit_code = 3
@@ -280,8 +290,13 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
                 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             if dry_run:
                 runner = VllmRunner(args, env=env)
-                out(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " "
-                    + " ".join(shlex.quote(a) for a in runner.argv))
+                result.command, result.env = list(runner.argv), env
+                how = ("--port" if user_port or port else
+                       "vLLM's default; a real run takes a free one")
+                for line in fit([f"  vlaunch would run (port {api_port}, {how}):"], width()):
+                    out(line)
+                for line in command_lines(runner.argv, width(), indent="    ", env=env):
+                    out(line)
                 result.exit_code = 0
                 return result
             deadline = startup_timeout or (STARTUP_SECONDS_BASE
@@ -472,10 +487,15 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
                          stop_timeout=stop_timeout, startup_timeout=startup_timeout,
                          verbose=verbose, on_phase=lambda phase: out(f"  {launch.role}: {phase}"))
     if dry_run:
+        cols = width()
         for pre in launch.pre_commands:
-            out(shlex.join(pre))
-        out(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items())) + " "
-            + shlex.join(runner.argv))
+            out(f"  {launch.role} {launch.node_rank}, first:")
+            for line in command_lines(pre, cols, indent="    "):
+                out(line)
+        out(f"  {launch.role} {launch.node_rank} would run:")
+        for line in command_lines(runner.argv, cols, indent="    ",
+                                  env=dict(sorted(launch.env.items()))):
+            out(line)
         return 0
     if launch.serves_api:
         _refuse_busy_port(runner)

@@ -172,3 +172,32 @@ def test_text_output_fits_the_terminal_for_doctor(monkeypatch):
             out = CliRunner().invoke(cli, ["doctor", str(FIXTURES / name)]).output
             too_long = [x for x in out.splitlines() if len(x) > cols]
             assert not too_long, (cols, name, too_long)
+
+
+@pytest.mark.parametrize("cols", [90, 100, 140])
+def test_tune_table_keeps_its_numbers_aligned_within_the_width(monkeypatch, cols):
+    import random
+    from types import SimpleNamespace
+
+    from launcher.run import tune
+
+    rng = random.Random(cols)
+    trials = []
+    for i in range(9):
+        ok = i % 3 != 1
+        knee = {"concurrency": rng.randint(1, 400), "output_tokens_per_s": rng.random() * 9e3,
+                "ttft_p50_ms": rng.random() * 3e3, "ttft_p99_ms": rng.random() * 9e3,
+                "tpot_p50_ms": rng.random() * 90, "tpot_p99_ms": rng.random() * 200,
+                "goodput_rps": rng.random() * 40} if ok else None
+        trials.append({"rung": i // 3, "status": "ok" if ok else "infeasible",
+                       "name": " ".join(["--max-num-seqs", str(i), "--kv-cache-dtype", "fp8"]
+                                        * rng.randint(1, 4)),
+                       "cause": None if ok else "KV_SHORTAGE: " + "x " * rng.randint(5, 60),
+                       "knee": knee})
+    monkeypatch.setenv("COLUMNS", str(cols))
+    lines = tune.Tuner.table(SimpleNamespace(doc={"trials": trials}))
+    assert all(len(x) <= cols for x in lines)
+    at = lines[0].index("goodput") + len("goodput")
+    starts = [x for x in lines if x[:2].strip()]  # a trial's first line (or the header)
+    assert len(starts) == len(trials) + 1
+    assert all(x[at] == " " and x[at - 1] != " " for x in starts[1:])  # right-aligned column

@@ -56,6 +56,8 @@ from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins, make_plan
 from ..predict.speculative import measured_acceptance, record_acceptance
+from ..term import table as term_table
+from ..term import width as term_width
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
 from .runner import VllmRunner
@@ -1210,19 +1212,20 @@ class Tuner:
         return self._specs.get(trial["key"])
 
     def table(self) -> list[str]:
-        """One row per trial: flags, knee, output tok/s, TTFT/TPOT p50/p99, goodput, status."""
-        rows = [f"{'#':>2} {'rung':>4} {'configuration':44} {'knee':>5} {'tok/s':>8} "
-                f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'goodput':>8}  status"]
+        """One row per trial: knee, output tok/s, TTFT/TPOT p50/p99, goodput, status, and last
+        the configuration (with the cause of a failure), which wraps under itself so the
+        numbers stay aligned within the terminal's width (launcher.term)."""
+        rows = [["#", "rung", "knee", "tok/s", "TTFT p50/p99", "TPOT p50/p99", "goodput",
+                 "status", "configuration"]]
         for i, r in enumerate(self.doc["trials"], 1):
             k = r.get("knee") or {}
-            status = r["status"] + (f" ({r['cause'][:80]})" if r.get("cause") else "")
-            rows.append(
-                f"{i:>2} {r['rung']:>4} {r['name'][:44]:44} {_v(k.get('concurrency')):>5} "
-                f"{_v(k.get('output_tokens_per_s'), '.1f'):>8} "
-                f"{_ms(k.get('ttft_p50_ms')) + '/' + _ms(k.get('ttft_p99_ms')):>16} "
-                f"{_ms(k.get('tpot_p50_ms')) + '/' + _ms(k.get('tpot_p99_ms')):>16} "
-                f"{_v(k.get('goodput_rps'), '.2f'):>8}  {status}")
-        return rows
+            rows.append([str(i), str(r["rung"]), _v(k.get("concurrency")),
+                         _v(k.get("output_tokens_per_s"), ".1f"),
+                         _ms(k.get("ttft_p50_ms")) + "/" + _ms(k.get("ttft_p99_ms")),
+                         _ms(k.get("tpot_p50_ms")) + "/" + _ms(k.get("tpot_p99_ms")),
+                         _v(k.get("goodput_rps"), ".2f"), r["status"],
+                         r["name"] + (f" ({r['cause'][:160]})" if r.get("cause") else "")])
+        return term_table(rows, term_width(), right=range(7), gap=" ")
 
     def _plot(self) -> None:
         """Measured curves (tok/s and TPOT against concurrency) next to the model's, as PNG."""

@@ -90,6 +90,9 @@ EXPECTED: dict[str, tuple[str, str, str, list[str] | None, dict[str, str]]] = {
     "nccl_ib_completion.log": ("nccl_infiniband", "loading_weights", "none", [], {}),
     "nccl_socket_closed.log": ("nccl_socket", "starting", "none", [], {}),
     "cpu_head_dim16.log": ("cpu_attention_head_size", "serving", "none", [], {}),
+    # 0.11 and 0.14 word the engine start-up timeout as a handshake that never came
+    "engine_handshake_timeout_v011.log": ("engine_ready_timeout", "loading_weights", "none", [], {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}),
+    "quant_moe_wna16_awq.log": ("quantization_unsupported", "starting", "weights", [], {}),
 }
 
 # name: a piece of the error line that must be in the evidence.

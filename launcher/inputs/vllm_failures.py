@@ -407,10 +407,13 @@ RULES: tuple[Rule, ...] = (
         "engine/arg_utils.py EngineArgs.add_cli_args: argparse choices from "
         "config/cache.py CacheDType", phase="starting"),
     Rule("quantization_unsupported", _r(
-        r"The quantization method (?P<method>\S+) is not supported for the current GPU\. "
+        r"The quantization method (?P<method>\S+(?: \+ \S+)?) is not supported for the current "
+        r"GPU\. "
         r"Minimum capability: (?P<min>\d+)\. Current capability: (?P<cur>\d+)"),
         "weights", "OTHER",
-        "config/vllm.py VllmConfig._get_quantization_config (V1 releases)", phase="starting"),
+        "model_executor/model_loader/loader.py _get_quantization_config (0.6) and config/vllm.py "
+        "VllmConfig._get_quantization_config (0.32), same wording; layers/quantization/"
+        "moe_wna16.py \"moe_wna16 + awq\" (0.11 on)", phase="starting"),
     Rule("missing_module", _r(
         r"(?:ModuleNotFoundError|ImportError): No module named '(?P<module>[\w.]+)'"),
         "none", "OTHER", "Python's import system"),
@@ -440,9 +443,12 @@ RULES: tuple[Rule, ...] = (
         r"GatedRepoError|Cannot access gated repo|401 Client Error.*huggingface\.co"),
         "none", "OTHER", "huggingface_hub: a gated repo without a token", phase="starting"),
     Rule("engine_ready_timeout", _r(
-        r"Timed out waiting for engine core processes to start\..*?Waited (?P<waited>\d+)s"),
+        r"Timed out waiting for engine core processes to start\..*?Waited (?P<waited>\d+)s"
+        r"|Timed out waiting for engines to send ?initial message on input socket"),
         "none", "OTHER",
-        "v1/engine/core_client.py MPClient.__init__ (VLLM_ENGINE_READY_TIMEOUT_S, 0.32.0)"),
+        "v1/engine/core_client.py MPClient.__init__: \"Timed out waiting for engine core "
+        "processes to start ... Waited Ns\" (0.20 on, VLLM_ENGINE_READY_TIMEOUT_S); "
+        "\"Timed out waiting for engines to send initial message on input socket\" (0.11, 0.14)"),
     Rule("max_model_len_exceeds_model", _r(
         r"User-specified max_model_len \((?P<asked>\d+)\) is greater than the derived "
         r"max_model_len \((?P<key>\w+)=(?P<derived>\d+)"),
@@ -489,7 +495,7 @@ RULE_KEYS: dict[str, tuple[str, ...]] = {
     "hub_unreachable": ("huggingface.co", "outgoing traffic", "LocalEntryNotFoundError",
                         "Max retries exceeded"),
     "hub_access_denied": ("GatedRepoError", "gated repo", "401 Client Error"),
-    "engine_ready_timeout": ("Timed out waiting for engine core",),
+    "engine_ready_timeout": ("Timed out waiting for engine",),
     "max_model_len_exceeds_model": ("User-specified max_model_len",),
     "tp_not_divisible": ("must be divisible by tensor parallel size",),
     "invalid_argument": (": error: ",),

@@ -408,14 +408,22 @@ def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
 
     log_dir = Path(opts["log_dir"])
     log_dir.mkdir(parents=True, exist_ok=True)
+    from .term import fit, width
+
     as_json = opts["fmt"] == "json"  # progress goes to stderr, one JSON document to stdout
+    cols = width(sys.stderr if as_json else sys.stdout)
+
+    def out(text: str) -> None:
+        for line in fit([text], cols):  # long messages wrap under their own indent
+            click.echo(line, err=as_json)
+
     result = serve(spec, hw, pins, list(extra), max_attempts=opts["max_attempts"],
                    quiet=opts["quiet"], verbose=opts["verbose"], dry_run=opts["dry_run"],
                    metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
                    stop_timeout=_stop_timeout(opts),
-                   out=lambda s: click.echo(s, err=as_json), goals=goals, plan_hook=plan_hook)
+                   out=out, goals=goals, plan_hook=plan_hook)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     sys.exit(result.exit_code)

@@ -673,3 +673,23 @@ def test_every_rule_match_holds_one_of_its_keys():
             for rule in vf.RULES:
                 if rule.pattern.search(content):
                     assert any(k in content for k in vf.RULE_KEYS[rule.cause]), (rule.cause, line)
+
+
+def test_a_kv_size_alternative_is_offered_only_when_the_planner_fits_it(tmp_path):
+    """A pinned-KV launch that ran out of context: the log-only explanation offers the KV
+    bytes the asked context needs; with the model and GPUs known that offer survives only if
+    the planner fits it (40 GiB of KV next to Qwen3-8B's weights on a 24 GB L4 does not)."""
+    log = _write_log(tmp_path, {"model": "Qwen/Qwen3-8B", "max_model_len": 40960,
+                                "kv_cache_memory_bytes": 2 << 30},
+                     "ValueError: To serve at least one request with the model's max seq len "
+                     "(40960), (40.00 GiB KV cache is needed, which is larger than the available "
+                     "KV cache memory (2.00 GiB). Based on the available memory, the estimated "
+                     "maximum model length is 2048. Try increasing `gpu_memory_utilization`")
+    report = vf.scan_source(str(log))[0]
+    doctor.apply_log_fixes(report)
+    assert any("--kv-cache-memory-bytes" in x and "if the device" in x for x in report.root.explain)
+    for gpus, fits in (("1xL4", False), ("1xH200", True)):
+        ctx = doctor.context_from_model("qwen3-8b", gpus, Pins(), {}, parse_gpus(gpus))
+        d = doctor.diagnose(str(log), ctx)[0].root
+        offers = [x for x in d.explain if "--kv-cache-memory-bytes" in x]
+        assert offers and all(("does not fit" in x) != fits for x in offers), (gpus, offers)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import shlex
 import socket
 from collections.abc import Callable, Iterator
@@ -671,13 +672,14 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
     for d in report.diagnoses:
         if d.cause not in _PLANNED_CAUSES:
             continue
+        d.explain = [_checked_alternative(x, ctx, pins) for x in d.explain]
         refused: list[str] = []
         for new, why in _candidates(d, ctx, pins, failed):
             plan = _plan(ctx, new)
-            if plan is None or not plan.fits:
+            if plan is None or not _fits(plan):
                 if plan is not None and why == "the log's fix":
                     refused.append(f"the log's fix ({shlex.join(d.fix_args)}) does not fit by "
-                                   f"vlaunch's planner: {plan.chosen.problem}")
+                                   f"vlaunch's planner: {_problem(plan)}")
                 continue
             settled = _settled(new, plan)
             d.fix_args = _changed_flags(pins, new, settled)
@@ -690,6 +692,46 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
                 "vlaunch's planner found no fix that fits this model on this hardware with "
                 "these settings"]
             d.fix_args, d.serve_command = [], None
+
+
+def _fits(plan: Any) -> bool:
+    """The planner's verdict, and every GPU's consumers within the card: a pinned KV size is
+    what vLLM allocates (it skips profiling), so one larger than the card is an OOM even
+    where a planner release takes the pin on trust."""
+    if not plan.fits:
+        return False
+    d = plan.to_dict()
+    g = d["per_gpu"]
+    used = sum(g.get(k, 0) for k in ("weights_bytes", "activation_bytes", "cudagraph_bytes",
+                                      "non_torch_bytes", "kv_cache_bytes"))
+    return plan.hardware.is_cpu or used <= d["gpus"]["total_bytes"]
+
+
+def _problem(plan: Any) -> str:
+    if not plan.fits:
+        return plan.chosen.problem
+    d = plan.to_dict()
+    g = d["per_gpu"]
+    return (f"the pinned KV cache ({g['kv_cache_bytes'] / (1 << 30):.1f} GiB) and weights "
+            f"({g['weights_bytes'] / (1 << 30):.1f} GiB) exceed the "
+            f"{d['gpus']['total_bytes'] / (1 << 30):.1f} GiB card")
+
+
+_ALTERNATIVE = re.compile(r"--kv-cache-memory-bytes (\d+)")
+
+
+def _checked_alternative(line: str, ctx: PlanContext, pins: Any) -> str:
+    """An explanation that offers another flag (a KV size for the asked context) keeps the
+    offer only when the planner says it fits; otherwise it says why not."""
+    m = _ALTERNATIVE.search(line)
+    if m is None:
+        return line
+    plan = _plan(ctx, dataclasses.replace(pins, kv_cache_memory_bytes=int(m.group(1))))
+    if plan is not None and _fits(plan):
+        return line + " (checked: the planner fits it)"
+    why = _problem(plan) if plan is not None else "the planner refused the settings"
+    return (f"--kv-cache-memory-bytes {int(m.group(1)):,} for the asked context does not fit "
+            f"by vlaunch's planner: {why}")
 
 
 _SOURCES = {"model": "the model and GPUs given", "plan": "the plan given",

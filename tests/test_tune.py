@@ -364,6 +364,33 @@ def test_resume_skips_finished_trials_and_never_restarts_infeasible(tmp_path: Pa
     assert second["recommended"]["measured"] == first["recommended"]["measured"]
 
 
+def test_same_seed_same_workload_same_trials_and_choice(tmp_path: Path, fake_engine, tiny_spec,
+                                                         monkeypatch: pytest.MonkeyPatch):
+    """Two tunes with one seed and workload, each with its own calibration cache (so the first
+    one's lessons do not steer the second), start the same flags in the same order, send the same
+    load (the seed reaches every benchmark) and recommend the same configuration. On the real
+    engine the measurements differ run to run; on the deterministic fake they must not."""
+    factory, starts, _ = fake_engine
+    runs = []
+    for i in range(2):
+        monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path / f"cache{i}"))
+        FakeLoadgen.calls = []
+        status, doc = _run(tiny_spec, _opts(tmp_path, max_starts=2, rungs=1, seed=7,
+                                            output=tmp_path / f"out{i}"), factory)
+        assert status == 0
+        runs.append((doc, [(c.concurrency, c.num_prompts, c.seed) for c in FakeLoadgen.calls]))
+    def flags(args: list[str]) -> list[str]:  # the port is free-port luck, not a choice
+        i = args.index("--port")
+        return args[:i] + args[i + 2:]
+
+    started = [flags(a) for a in _started(starts)]
+    assert len(started) == 4 and started[:2] == started[2:]
+    (first, load1), (second, load2) = runs
+    assert load1 == load2 and {seed for _, _, seed in load1} == {7}
+    assert first["recommended"]["vllm_args"] == second["recommended"]["vllm_args"]
+    assert first["recommended"]["measured"] == second["recommended"]["measured"]
+
+
 def test_sigterm_stops_the_engine_keeps_points_and_exits_143(tmp_path: Path, fake_engine,
                                                             tiny_spec):
     factory, starts, made = fake_engine

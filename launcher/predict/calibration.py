@@ -70,7 +70,9 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path
         if cal:
             entry.update(fixed_scale=cal.fixed_scale, roofline_scale=cal.roofline_scale,
                          prefill_scale=cal.prefill_scale, request_scale=cal.request_scale,
-                         median_error=cal.median_error)
+                         median_error=cal.median_error,
+                         median_error_uncalibrated=cal.uncalibrated_error,
+                         fit_loss=cal.loss, fit_loss_uncalibrated=cal.loss_uncalibrated)
         data[k] = entry
 
     return update_json_object(_store(), add)
@@ -98,7 +100,8 @@ def _usable(k: str, entry: Any) -> bool:
         return False  # points recorded without a fit yet: nothing to use, nothing wrong
     ok = (all(_number(entry.get(f)) and entry[f] > 0 for f in ("fixed_scale", "roofline_scale"))
           and all(_number(entry.get(f, 1.0)) and entry.get(f, 1.0) >= 0
-                  for f in ("prefill_scale", "request_scale", "median_error"))
+                  for f in ("prefill_scale", "request_scale", "median_error",
+                            "median_error_uncalibrated", "fit_loss", "fit_loss_uncalibrated"))
           and isinstance(entry.get("points", []), list)
           and all(isinstance(entry.get(f, ""), str) for f in ("family", "recorded_at")))
     if not ok:

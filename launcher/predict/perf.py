@@ -475,6 +475,13 @@ class Calibration:
     median_error: float
     prefill_scale: float = 1.0
     request_scale: float = 1.0
+    uncalibrated_error: float = 0.0
+    """The same median |error| of output tokens/s with every scale at 1.0 (reported beside it;
+    the fit minimises `loss`, so this one figure may move either way)."""
+    loss: float = 0.0
+    """The fit's objective at the fitted scales: weighted RMS of the log errors."""
+    loss_uncalibrated: float = 0.0
+    """The same objective with every scale at 1.0: the fit may never be worse than no fit."""
 
 
 def scaled(c: Constants, cal: Calibration) -> Constants:
@@ -543,5 +550,13 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
                 value = loss(x)
                 if value < best_loss:
                     best, best_loss = x, value
-    tput = sorted(abs(math.expm1(a)) for a, _, _ in errors(best))
-    return Calibration(best[0], best[1], len(pts), tput[len(tput) // 2], best[2], best[3])
+    def median_tput(x: tuple[float, ...]) -> float:
+        tput = sorted(abs(math.expm1(a)) for a, _, _ in errors(x))
+        return tput[len(tput) // 2]
+
+    def rms(x: tuple[float, ...]) -> float:
+        return math.sqrt(loss(x) / (3.5 * len(pts)))
+
+    unit = (1.0, 1.0, 1.0, 1.0)
+    return Calibration(best[0], best[1], len(pts), median_tput(best), best[2], best[3],
+                       median_tput(unit), rms(best), rms(unit))

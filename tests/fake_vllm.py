@@ -21,7 +21,9 @@ FAKE_VLLM_MODE picks the behaviour, comma-separated where they combine:
 - flood: prints FAKE_VLLM_FLOOD_LINES lines (default 100,000) before binding the port.
 Other knobs: FAKE_VLLM_ARGV_FILE (write argv there as JSON), FAKE_VLLM_PID_FILE (write
 "server_pid child_pid"), FAKE_VLLM_KV_TOKENS (the KV size it reports, default 28,928),
-FAKE_VLLM_LIFETIME (exit 0 after serving that many seconds, so an in-process `serve()` returns).
+FAKE_VLLM_LIFETIME (exit 0 after serving that many seconds, so an in-process `serve()` returns),
+FAKE_VLLM_INFLIGHT_FILE (written, with the request's model name, once a completion is accepted
+and in flight: the handshake a test waits for instead of sleeping and hoping).
 """
 
 from __future__ import annotations
@@ -232,6 +234,9 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
                 return
             with lock:
                 in_flight[0] += 1
+            if os.environ.get("FAKE_VLLM_INFLIGHT_FILE"):
+                with open(os.environ["FAKE_VLLM_INFLIGHT_FILE"], "w") as f:
+                    f.write(str(req.get("model")))
             try:
                 if "smoke_fail" in mode:
                     say(f"(EngineCore pid={child.pid}) ERROR [core.py:1180] {mode['smoke_fail']}")

@@ -1,15 +1,10 @@
-"""The budget model against real vLLM start-ups (shared/validation), at each row's version."""
+"""The budget model against real vLLM start-ups (tests/fixtures/validation, vendored from the
+shared validation data with each row's source), at each row's version."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-from launcher.predict import validation
-
-CSV = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / \
-    "vllm-startup-observations.csv"
+import startup_validation as validation
 
 # Architectures the issue requires the model to express; others (gpt_oss: vLLM pads MXFP4
 # experts when loading, which the count does not model) are printed by `make bench` only.
@@ -20,9 +15,7 @@ TOLERANCE = {"weights_gib": 0.03, "kv_tokens": 0.10, "available_kv_gib": 0.10,
 
 @pytest.fixture(scope="module")
 def results():
-    if not CSV.is_file():
-        pytest.skip(f"validation data not found at {CSV}")
-    return validation.run(CSV)
+    return validation.run()
 
 
 def test_expressible_rows_within_tolerance(results):

@@ -667,6 +667,8 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
     candidate (the log's fix, the measured re-plan, the planner's own choice) that the
     planner says fits becomes the fix, and the `fix:` flags and the `run:` command come from
     the same pins. A fix the planner says will not fit is never shown."""
+    if not any(d.cause in _PLANNED_CAUSES for d in report.diagnoses):
+        return  # nothing the planner decides (a port, a missing module): no plan to make
     pins = launch_pins(ctx, report.facts)
     failed = _plan(ctx, pins)
     for d in report.diagnoses:

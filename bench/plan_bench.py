@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
-import startup_validation as validation  # noqa: E402 - tests/, not the package
+import startup_validation as validation  # noqa: E402 - bench/, not the package
 
 SHARED = ROOT.parent / "shared"
 SHARED_CSV = SHARED / "validation" / "vllm-startup-observations.csv"

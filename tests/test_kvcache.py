@@ -134,7 +134,8 @@ def test_llama4_chunked_layers_are_full_unless_the_env_allows_hybrid():
 
 def test_plan_reports_the_pool_of_a_hybrid_model():
     spec = _tiny("gdn")
-    plan = make_plan(spec, parse_gpus("1xH100"), Pins(max_model_len=2048), suggest=False)
+    plan = make_plan(spec, parse_gpus("1xH100"), Pins(max_model_len=2048, kv_cache_dtype="auto"),
+                     suggest=False)
     kv = plan.to_dict()["kv_cache"]
     assert kv["layer_kinds"] == {"state": 3, "full": 1}
     assert kv["groups"] == 4

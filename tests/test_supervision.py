@@ -562,7 +562,7 @@ def test_ray_worker_runs_ray_start_not_vllm(env, model, tmp_path, fake_ray):
 
 
 def test_ray_leader_starts_the_head_then_vllm(env, model, tmp_path, fake_ray):
-    env("ready", lifetime=1, argv_file=tmp_path / "argv.json")
+    env("ready", lifetime=1, lifetime_from="ready", argv_file=tmp_path / "argv.json")
     plan = _ray_plan(model)
     launch = build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=False)

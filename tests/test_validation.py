@@ -3,8 +3,14 @@ shared validation data with each row's source), at each row's version."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-import startup_validation as validation
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import startup_validation as validation  # noqa: E402 - bench/, not the package
 
 # Architectures the issue requires the model to express; others (gpt_oss: vLLM pads MXFP4
 # experts when loading, which the count does not model) are printed by `make bench` only.

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
+from . import perf
 
 
 def _store() -> Path:
@@ -43,15 +44,14 @@ def plan_key(d: dict[str, Any]) -> str:
                bool(p["expert_parallel"]), d["kv_cache"]["dtype"], d["vllm_version"])
 
 
-def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path:
-    """Add measured points for the engine of plan `d`, refit its scales, save atomically."""
-    from . import perf
-    from .perfplan import shape_from_plan
-
+def record(d: dict[str, Any], points: list[dict[str, Any]], source: str,
+           shape: perf.EngineShape | None) -> Path:
+    """Add measured points for the engine of plan `d`, refit its scales, save atomically.
+    `shape` is that engine as the performance model sees it (planshape.shape_from_plan; None:
+    no speed facts, the points are kept unfitted)."""
     k = plan_key(d)
     engine = {"max_num_seqs": d.get("max_num_seqs"),
               "max_num_batched_tokens": d.get("max_num_batched_tokens")}
-    shape = shape_from_plan(d)
 
     def add(data: dict[str, Any]) -> None:
         # Merged with what is on disk now, under the cache's lock: another tune's points for

@@ -25,8 +25,9 @@ The planner predicts; this module measures. Why each piece is the way it is:
   engine, keep what was measured and report the best so far.
 
 Parts: `tune_candidates` (what is worth a start), `tune_search` (rungs, the knee search, when a
-point is measured again), `tune_report` (the choice, the table, the plot). This module runs the
-loop: engine life cycle, measurement on a running engine, and tune.json's bookkeeping.
+point is measured again), `tune_measure` (one running engine: warm-up, search, repeats),
+`tune_report` (the choice, the table, the plot). This module runs the loop: the rungs, each
+trial's engine life cycle, calibration, and tune.json's bookkeeping.
 
 Pure orchestration: no click; `out` receives the lines to print. Engine and load generator are
 injectable (`runner_factory`, `loadgen_factory`) so the bookkeeping is tested without vLLM.
@@ -55,21 +56,22 @@ from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins
-from ..predict.speculative import measured_acceptance, record_acceptance
+from ..predict.planshape import shape_from_plan
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
-from .loadgen import LoadGenerator, LoadgenError, LoadSpec
+from .loadgen import LoadGenerator
 from .runner import VllmRunner
-from .tune_candidates import TrialSpec, build_candidates
+from .tune_candidates import TrialSpec, build_candidates, finished_first
 from .tune_candidates import flags_key as flags_key  # tests/test_tune_engine.py imports it here
-from .tune_report import decide, ms, plot, score, summary, table
+from .tune_measure import (
+    STOP_MARGIN_S,
+    BudgetExhausted,
+    Interrupted,
+    TrialMeasurement,
+    max_concurrency,
+)
+from .tune_report import decide, plot, score, summary, table
 from .tune_search import (
-    RESOLUTION,
     THRESHOLD,
-    KneeSearch,
-    flat_point,
-    fragile,
-    knee_of,
-    pooled,
     rung_sizes,
     utc_now,
 )
@@ -78,30 +80,11 @@ from .vllmargs import arg_value
 TUNE_FILE = "tune.json"
 SCHEMA = 1
 
-PROMPTS_PER_CONCURRENCY = (3, 4)
-"""Requests per point (early rungs, last rung) as a multiple of the concurrency: at least three
-waves, so the burst at t=0 is not the whole measurement."""
 
-MIN_PROMPTS = 8
-MAX_REPEATS = 2
-STOP_MARGIN_S = 30.0
-"""Kept free at the end of the budget: stopping vLLM's group (SIGTERM, grace, SIGKILL)."""
 
 STATUSES = ("ok", "infeasible", "failed", "skipped")
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)")
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived: stop, keep what was measured."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class BudgetExhausted(Exception):
-    """The wall-clock budget is spent: stop measuring, keep what was measured."""
 
 
 # ----------------------------------------------------------------------------- input parsing
@@ -354,6 +337,8 @@ class Tuner:
                                                   o.slo, o.objective, o.user_candidates)
         self._new_doc(baseline, notes)
         self.save()
+        if self.previous:  # --resume: among equally ranked candidates, the finished first
+            cands = finished_first(cands, {k for _, k in self.previous})
         pool = [baseline, *cands]
         self._specs = {t.key: t for t in pool}
         sizes = rung_sizes(len(pool), o.max_starts, o.eta, o.rungs)
@@ -526,106 +511,23 @@ class Tuner:
 
     # --- measuring -----------------------------------------------------------------------
 
-    def _max_concurrency(self, t: TrialSpec) -> int:
-        if self.opts.max_concurrency:
-            return self.opts.max_concurrency
-        d = t.plan
-        seqs = int(arg_value(t.vllm_args, "--max-num-seqs") or d.get("max_num_seqs") or 256)
-        dp = int(d.get("parallel", {}).get("dp", 1))
-        return max(64, 4 * seqs * dp)  # past max-num-seqs requests queue: TTFT finds the knee
-
-    def _load_spec(self, runner: VllmRunner, c: int, prompts: int, warmups: int) -> LoadSpec:
-        o = self.opts
-        tokenizer = self.tokenizer or arg_value(runner.vllm_args, "--model") or runner.model_name
-        return LoadSpec(runner.base_url, runner.model_name, tokenizer, o.workload.input_len,
-                        o.workload.output_len, c, prompts, o.seed, o.slo.ttft_ms, o.slo.tpot_ms,
-                        warmups)
-
     def _measure(self, runner: VllmRunner, t: TrialSpec, rec: dict[str, Any], rung: int) -> None:
+        """Measure the running engine (tune_measure), then calibrate and report the knee."""
         o = self.opts
-        fine = 1 if rung >= len(self._sizes) - 1 else 0  # the last rung measures finely
-        per_c = PROMPTS_PER_CONCURRENCY[fine]
-        gen = self.loadgen_factory(self.dir / f"loadgen-trial{self.starts}.log")
-        repeats = [0]
-
-        def timeout() -> float:
-            left = self.progress.left - STOP_MARGIN_S
-            if left <= 0:
-                raise BudgetExhausted()
-            return left
-
-        def heartbeat(c: int) -> Callable[[float], None]:
-            def beat(waited: float) -> None:
-                what = f"concurrency {c}" if c else "warm-up"
-                self.progress.tick(f"  {what}: measuring ({waited:.0f}s)")
-                if runner.interrupted is not None:
-                    raise Interrupted(runner.interrupted)
-            return beat
-
-        def one(c: int, repeat: int) -> dict[str, Any]:
-            spec = self._load_spec(runner, c, max(MIN_PROMPTS, per_c * c), min(c, 4))
-            try:
-                s = gen.run(spec, timeout=timeout(), heartbeat=heartbeat(c))
-            except LoadgenError:
-                if self.progress.left <= STOP_MARGIN_S + 1:  # cut off by the budget
-                    raise BudgetExhausted() from None
-                raise
-            point = flat_point(s, o.slo, o.threshold, repeat)
-            rec["results"].append(point)
-            acc = measured_acceptance(point.get("raw") or {})
-            if acc:  # MTP trials: what vLLM's benchmark measured, kept for the next plans
-                rec["mtp_acceptance"] = acc
-                record_acceptance(self.spec.name, acc)
-            self.save()
-            return point
-
-        def probe(c: int) -> bool:
-            self._check(runner)
-            points = [one(c, 0)]
-            while (fragile(points[-1], o.slo, o.threshold) and repeats[0] < MAX_REPEATS
-                   and len(points) < 2):
-                repeats[0] += 1
-                self.progress.line(f"  concurrency {c}: verdict within 10% of the SLO, "
-                                   "measuring again")
-                self._check(runner)
-                points.append(one(c, len(points)))
-            p = pooled(points)
-            met = p["failed"] == 0 and p["slo_fraction"] >= o.threshold
-            self.progress.line(
-                f"  concurrency {c:>4}: {p['output_tokens_per_s']:8.1f} tok/s, TTFT p50/p99 "
-                f"{ms(p['ttft_p50_ms'])}/{ms(p['ttft_p99_ms'])}, TPOT p50/p99 "
-                f"{ms(p['tpot_p50_ms'])}/{ms(p['tpot_p99_ms'])}, SLO met by "
-                f"{p['slo_fraction']:.0%} -> {'meets' if met else 'misses'}")
-            return met
-
         hint = None
         if rung > 0:
             prev = [r for r in self.doc["trials"] if r["key"] == t.key and r["rung"] < rung
                     and r.get("knee")]
             hint = prev[-1]["knee"]["concurrency"] if prev else None
-        search = KneeSearch(probe, self._max_concurrency(t), RESOLUTION[fine], hint)
-        cause = None
-        try:
-            with gen:
-                rec["warmup"] = self._warmup(gen, runner, timeout, heartbeat)
-                search.run()
-        except LoadgenError as e:
-            cause = f"the benchmark failed: {e}"
-            if runner.poll() is not None:
-                cause = f"vLLM exited during the measurement (status {runner.exit_status})"
-        except BudgetExhausted:
-            cause = "the budget ran out during the measurement (knee from what was measured)"
-        except Interrupted:
-            rec["knee"] = knee_of(rec["results"], search)
-            rec["status"], rec["cause"] = "failed", "interrupted; kept what was measured"
-            raise
-        rec["knee"] = knee_of(rec["results"], search)
-        if cause and not rec["knee"]:
-            rec["status"], rec["cause"] = "failed", cause
-        else:
-            rec["status"], rec["cause"] = "ok", cause
-            if cause:
-                rec["partial"] = True
+        measurement = TrialMeasurement(
+            runner, t, rec, self.loadgen_factory(self.dir / f"loadgen-trial{self.starts}.log"),
+            self.progress, o.workload, o.slo, o.threshold, o.seed,
+            max_concurrency(t, o.max_concurrency),
+            fine=rung >= len(self._sizes) - 1,  # the last rung measures finely
+            hint=hint, tokenizer=self.tokenizer, model_name=self.spec.name, save=self.save,
+            check=lambda: self._check(runner))
+        cause = measurement.run()
+        if rec["status"] == "ok":
             self._calibrate(t, rec)
         k = rec["knee"] or {}
         bound = "bounded" if k.get("bounded") else "SLO met up to the largest tried"
@@ -634,15 +536,6 @@ class Tuner:
                            + (f"; {cause}" if cause else ""))
         if cause and "budget" in cause:
             raise BudgetExhausted()
-
-    def _warmup(self, gen: Any, runner: VllmRunner, timeout: Callable[[], float],
-                heartbeat: Callable[[int], Callable[[float], None]]) -> dict[str, Any]:
-        """An uncounted run first: the child's imports, the engine's first batches."""
-        spec = self._load_spec(runner, 2, 4, 0)
-        t0 = time.monotonic()
-        s = gen.run(spec, timeout=timeout(), heartbeat=heartbeat(0))
-        self.progress.line(f"  warm-up done in {time.monotonic() - t0:.0f}s (not counted)")
-        return {"seconds": round(time.monotonic() - t0, 1), "completed": s["completed"]}
 
     def _calibrate(self, t: TrialSpec, rec: dict[str, Any]) -> None:
         """Teach the performance model what was measured (launcher.predict.calibration)."""
@@ -657,7 +550,8 @@ class Tuner:
             from ..paths import cache_dir
 
             cache_dir().mkdir(parents=True, exist_ok=True)  # record() writes beside it
-            path = calibration.record(t.plan, points, f"vlaunch tune {utc_now()}")
+            path = calibration.record(t.plan, points, f"vlaunch tune {utc_now()}",
+                                      shape_from_plan(t.plan))
         except Exception as e:  # noqa: BLE001 - a calibration problem must not lose the trial
             rec["calibration"] = f"not recorded: {type(e).__name__}: {e}"
             return

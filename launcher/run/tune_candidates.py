@@ -264,6 +264,17 @@ def _mtp_k(d: dict[str, Any]) -> int:
     return int(s.get("num_speculative_tokens") or 0) if s.get("enabled") else 0
 
 
+def finished_first(cands: list[TrialSpec], done: set[str]) -> list[TrialSpec]:
+    """The same order, but within each run of equal predicted scores the trials an earlier run
+    finished come first: a calibration may make candidates tie, and resuming should not start
+    an engine where a measurement exists."""
+    out: list[TrialSpec] = []
+    for _, group in itertools.groupby(cands, key=lambda t: (t.predicted or {}).get("score")):
+        g = list(group)
+        out += [t for t in g if t.key in done] + [t for t in g if t.key not in done]
+    return out
+
+
 def rank_candidates(cands: list[TrialSpec], base: dict[str, Any]) -> list[TrialSpec]:
     """By predicted goodput, but the best of every layout before the second of any: a layout
     question (TP8 vs DP8+EP) is the one a prediction is least sure of, so each gets measured."""

@@ -5,7 +5,8 @@ from the shared `validation/vllm-startup-observations.csv`) records a real start
 GPU, vLLM version, settings, and what vLLM measured. A row is predicted with the same planner
 code as any plan, at that row's vLLM version and engine; rows whose checkpoint config is not
 available (AWQ repacks, vision models we cannot count) are reported as skipped, with why.
-Used by `make bench` (the table) and by tests (the tolerances); not part of the package.
+Used by `make bench` (the table), by tests (the tolerances) and by perf_validation (the
+model lookup); not part of the package.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from launcher.predict.budget import GiB, Layout
 from launcher.predict.capabilities import version_traits
 from launcher.predict.planner import Pins, evaluate
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "validation"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "validation"
 CSV = FIXTURES / "startup-observations.csv"
 CONFIGS = FIXTURES / "model-configs"
 
@@ -55,8 +56,13 @@ def version_of(text: str) -> str:
     return v if v.count(".") == 2 else v + ".0"
 
 
-def find_model(name: str, config_dirs: Sequence[Path]) -> ModelSpec:
-    """A profile of ours, else `<dir>/<org>--<name>/config.json` from one of `config_dirs`."""
+def find_model(name: str, config_dirs: Path | Sequence[Path]) -> ModelSpec:
+    """A profile of ours, else `<dir>/<org>--<name>/config.json` from one of `config_dirs`
+    (a single path: the shared data's root, whose reference/model-configs and
+    validation/corpus hold them)."""
+    if isinstance(config_dirs, Path):
+        config_dirs = (config_dirs / "reference" / "model-configs",
+                       config_dirs / "validation" / "corpus")
     try:
         return load_model(name)
     except InputError:

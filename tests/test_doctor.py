@@ -283,8 +283,8 @@ def test_planner_fix_for_kv_shortage_uses_the_measured_estimate(h200_ctx):
     d = _diagnose("ranks8_kv_short_dp8.log", h200_ctx).root
     assert d.fix_args == ["--max-model-len", "90880"]
     # the run line is the failed launch (its --dp 8 from the log) with the fix applied
-    assert d.serve_command.startswith("vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 --dp 8 "
-                                      "--max-model-len 90880")
+    assert d.serve_command.startswith("vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 ")
+    assert "--tp 1 --pp 1 --dp 8 --max-model-len 90880" in d.serve_command
     assert d.explain[0].startswith("checked by vlaunch's planner")
 
 

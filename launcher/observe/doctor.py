@@ -537,6 +537,11 @@ def launch_pins(ctx: PlanContext, facts: Facts) -> Any:
     ran with (its "non-default args", the max model len it used, its vLLM version) on top, so
     a fix is checked against what really ran, not against what the planner would choose."""
     changes: dict[str, Any] = {}
+    if facts.args:  # "non-default args" lists every non-default: an absent one was vLLM's
+        changes.update(tp=1, pp=1, dp=1,
+                       expert_parallel=bool(facts.arg("enable_expert_parallel")))
+        if not facts.arg("speculative_config"):
+            changes.update(speculative=False, num_speculative_tokens=None)
     for key, pin in _ARG_PINS.items():
         value = facts.arg(key)
         if value is not None and value is not False:

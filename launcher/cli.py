@@ -56,15 +56,25 @@ def format_option(help: str, *extra: str):
               help="Seconds allowed for each fetch of vLLM's /metrics.")
 @click.option("--cache-ttl", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
               help="Seconds a fetch of vLLM's /metrics is reused across scrapes.")
+@format_option("text: what it serves, one line each; json: the same as JSON lines "
+               "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
-                 cache_ttl: float) -> None:
+                 cache_ttl: float, fmt: str) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from .observe import exporter
-    from .run.emit import load_plan
+    from .run.emit import load_plan, startup_deadline_s
 
     plan = load_plan(plan_path) if plan_path else None
-    exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl)
-    exporter.run_forever(exp, port, bind, click.echo)
+    exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl,
+                            startup_timeout_s=startup_deadline_s if plan else None)
+    if fmt == "json":
+        import json
+
+        def echo(s: str) -> None:
+            click.echo(json.dumps({"message": s}))
+    else:
+        echo = click.echo
+    exporter.run_forever(exp, port, bind, echo)
 
 
 @cli.command("gpus")
@@ -75,13 +85,17 @@ def gpus_cmd(fmt: str) -> None:
     import os
 
     from .inputs import inventory
+    from .term import width
 
-    inv = inventory.read_inventory()
+    try:
+        inv = inventory.read_inventory()
+    except inventory.NoGPUError as e:
+        raise inventory.no_gpu_for_gpus(e) from None
     if fmt == "json":
         click.echo(json.dumps(inv.to_dict(), indent=2))
     else:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        click.echo(inventory.render_table(inv, color=color))
+        click.echo(inventory.render_table(inv, color=color, width=width()))
 
 
 def _hardware(gpus: str | None):
@@ -407,20 +421,23 @@ def profiles_cmd(fmt: str) -> None:
     import json
 
     from .inputs.model import list_profiles
-    from .predict.budget import GiB, param_count, weights_bytes
+    from .predict.budget import GiB, checkpoint_scale, param_count, weights_bytes
 
+    # the plan's names for the same things: model.params, .weights_bytes, .max_context
     rows = [{"name": p.name, "hf_id": p.hf_id, "architecture": p.architecture,
-             "params_b": round(param_count(p) / 1e9, 2),
-             "weights_gib": round(weights_bytes(p) / GiB, 1), "context": p.max_context,
-             "attention": p.attention, "quantization": p.quant.method}
+             "params": param_count(p),
+             "weights_bytes": round(weights_bytes(p) * checkpoint_scale(p)),
+             "max_context": p.max_context, "attention": p.attention,
+             "quantization": p.quant.method}
             for p in list_profiles()]
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2))
         return
     click.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
     for r in rows:
-        click.echo(f"{r['name']:24} {r['params_b']:>8.1f}B {r['weights_gib']:>6.1f} GiB "
-                   f"{r['context']:>8,}  {r['attention']:9}  {r['quantization']}")
+        click.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
+                   f"{r['weights_bytes'] / GiB:>6.1f} GiB "
+                   f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
 
 
 def _serve_options(f):
@@ -441,6 +458,8 @@ def _serve_options(f):
         click.option("-q", "--quiet", is_flag=True, help="Do not print the plan and progress."),
         click.option("-v", "--verbose", is_flag=True, help="Echo vLLM's log, prefixed."),
         click.option("--dry-run", is_flag=True, help="Print the exact command and environment."),
+        format_option("text: the plan and progress; json: the outcome (with --dry-run the "
+                      "command and environment) on stdout, progress on stderr."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -448,28 +467,42 @@ def _serve_options(f):
 
 
 def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
+    import dataclasses
+    import json
     from pathlib import Path
 
     from .run.serve import serve
 
     log_dir = Path(opts["log_dir"])
     log_dir.mkdir(parents=True, exist_ok=True)
+    from .term import fit, width
+
+    as_json = opts["fmt"] == "json"  # progress goes to stderr, one JSON document to stdout
+    cols = width(sys.stderr if as_json else sys.stdout)
+
+    def out(text: str) -> None:
+        for line in fit([text], cols):  # long messages wrap under their own indent
+            click.echo(line, err=as_json)
+
     result = serve(spec, hw, pins, list(extra), max_attempts=opts["max_attempts"],
                    quiet=opts["quiet"], verbose=opts["verbose"], dry_run=opts["dry_run"],
                    metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
-                   stop_timeout=_stop_timeout(opts), out=lambda s: click.echo(s), goals=goals,
-                   plan_hook=plan_hook)
+                   stop_timeout=_stop_timeout(opts),
+                   out=out, goals=goals, plan_hook=plan_hook)
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     sys.exit(result.exit_code)
 
 
 _SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "port",
-               "startup_timeout", "stop_timeout", "log_dir", "quiet", "verbose", "dry_run")
+               "startup_timeout", "stop_timeout", "log_dir", "quiet", "verbose", "dry_run",
+               "fmt")
 
 
 def _stop_timeout(opts: dict) -> float:
-    from .run.runner import DEFAULT_STOP_TIMEOUT_S
+    from .run.drain import DEFAULT_STOP_TIMEOUT_S
 
     value = opts["stop_timeout"]
     return float(DEFAULT_STOP_TIMEOUT_S if value is None else value)
@@ -524,12 +557,20 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
         launch = build_launch(d, role=role)
         log_dir = Path(opts["log_dir"])
         log_dir.mkdir(parents=True, exist_ok=True)
-        sys.exit(run_node(launch, d, port=opts["port"],
-                          metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
-                          metrics_bind=opts["metrics_bind"], log_dir=log_dir,
-                          dry_run=opts["dry_run"], verbose=opts["verbose"],
-                          startup_timeout=opts["startup_timeout"],
-                          stop_timeout=_stop_timeout(opts), extra=list(extra), out=click.echo))
+        as_json = opts["fmt"] == "json"
+        rc = run_node(launch, d, port=opts["port"],
+                      metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
+                      metrics_bind=opts["metrics_bind"], log_dir=log_dir,
+                      dry_run=opts["dry_run"], verbose=opts["verbose"],
+                      startup_timeout=opts["startup_timeout"],
+                      stop_timeout=_stop_timeout(opts), extra=list(extra),
+                      out=lambda s: click.echo(s, err=as_json))
+        if as_json:
+            import json
+
+            click.echo(json.dumps({"exit_code": rc, "role": launch.role,
+                                   "node_rank": launch.node_rank}, indent=2))
+        sys.exit(rc)
     from .predict.planner import inputs_from_plan
 
     spec, hw, pins = inputs_from_plan(d)
@@ -677,7 +718,9 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     if fmt == "json":
         click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
     else:
-        click.echo(doctor.render(report, names))
+        from .term import width
+
+        click.echo(doctor.render(report, names, width()))
     sys.exit(1 if report.diagnoses else 0)
 
 

@@ -35,13 +35,24 @@ def cache_dir() -> Path:
 def _read_yaml(path: str, mtime_ns: int) -> Any:
     import yaml
 
+    from .profile_check import check, schema_for
+
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~10x faster
-    return yaml.load(Path(path).read_text(), Loader=loader)  # noqa: S506 (a safe loader)
+    data = yaml.load(Path(path).read_text(), Loader=loader)  # noqa: S506 (a safe loader)
+    try:
+        relative = Path(path).resolve().relative_to(profiles_dir().resolve())
+    except ValueError:  # not a profile
+        return data
+    schema = schema_for(relative)
+    if schema is not None:
+        check(Path(path), data, schema)
+    return data
 
 
 def read_yaml(path: Path) -> Any:
     """A YAML file parsed once per process (re-read if it changes), with libyaml when present:
-    `vlaunch plan` reads every profile and must answer in well under a second."""
+    `vlaunch plan` reads every profile and must answer in well under a second. A profile is
+    checked against its schema on that first read (InputError, one line, when it breaks it)."""
     return _read_yaml(str(path), path.stat().st_mtime_ns)
 
 

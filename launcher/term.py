@@ -130,13 +130,26 @@ def command(argv: Sequence[str], cols: int, indent: str = "    ",
     """A shell command as lines that paste back as one command: each line within `cols` where
     a single argument allows, continued with a trailing backslash, an option kept on the line
     of its value."""
-    words = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
-    args = list(argv)
+    env_words = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
+    return _pack(env_words + [shlex.quote(a) for a in argv], cols, indent)
+
+
+def shell_lines(text: str, cols: int, indent: str = "    ") -> list[str]:
+    """An already-quoted shell command line (`"$VAR"` kept as written) as `command` lines."""
+    try:
+        words = shlex.split(text, posix=False)
+    except ValueError:  # unbalanced quotes: show it as it is
+        return [indent + text]
+    return _pack(words, cols, indent)
+
+
+def _pack(quoted: list[str], cols: int, indent: str) -> list[str]:
+    words: list[str] = []
     i = 0
-    while i < len(args):  # "--flag value" stays together on one line
-        a = shlex.quote(args[i])
-        if args[i].startswith("-") and i + 1 < len(args) and not args[i + 1].startswith("-"):
-            a += " " + shlex.quote(args[i + 1])
+    while i < len(quoted):  # "--flag value" stays together on one line
+        a = quoted[i]
+        if a.startswith("-") and i + 1 < len(quoted) and not quoted[i + 1].startswith("-"):
+            a += " " + quoted[i + 1]
             i += 1
         words.append(a)
         i += 1

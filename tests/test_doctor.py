@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -89,6 +90,9 @@ EXPECTED: dict[str, tuple[str, str, str, list[str] | None, dict[str, str]]] = {
     "nccl_ib_completion.log": ("nccl_infiniband", "loading_weights", "none", [], {}),
     "nccl_socket_closed.log": ("nccl_socket", "starting", "none", [], {}),
     "cpu_head_dim16.log": ("cpu_attention_head_size", "serving", "none", [], {}),
+    # 0.11 and 0.14 word the engine start-up timeout as a handshake that never came
+    "engine_handshake_timeout_v011.log": ("engine_ready_timeout", "loading_weights", "none", [], {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}),
+    "quant_moe_wna16_awq.log": ("quantization_unsupported", "starting", "weights", [], {}),
 }
 
 # name: a piece of the error line that must be in the evidence.
@@ -279,8 +283,8 @@ def test_planner_fix_for_kv_shortage_uses_the_measured_estimate(h200_ctx):
     d = _diagnose("ranks8_kv_short_dp8.log", h200_ctx).root
     assert d.fix_args == ["--max-model-len", "90880"]
     # the run line is the failed launch (its --dp 8 from the log) with the fix applied
-    assert d.serve_command.startswith("vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 --dp 8 "
-                                      "--max-model-len 90880")
+    assert d.serve_command.startswith("vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 ")
+    assert "--tp 1 --pp 1 --dp 8 --max-model-len 90880" in d.serve_command
     assert d.explain[0].startswith("checked by vlaunch's planner")
 
 
@@ -341,6 +345,17 @@ def _write_log(tmp_path: Path, args: dict, *errors: str) -> Path:
     return log
 
 
+def _labelled_line(text: str, label: str) -> str:
+    """The `fix:`/`run:` command of a text report, its backslash continuations joined."""
+    lines = text.splitlines()
+    i = next(n for n, x in enumerate(lines) if x.strip().startswith(f"{label}:"))
+    out = lines[i].split(f"{label}:", 1)[1].strip()
+    while out.endswith("\\"):
+        i += 1
+        out = out[:-1].rstrip() + " " + lines[i].strip()
+    return out
+
+
 def test_no_kv_memory_fix_the_planner_refuses_is_never_shown(tmp_path):
     """Qwen3-8B at utilization 0.50 on a 24 GB card: the log's "+0.05" fix still leaves the
     40,960-token request without room; the doctor shows a fix the planner fits instead, and
@@ -354,9 +369,8 @@ def test_no_kv_memory_fix_the_planner_refuses_is_never_shown(tmp_path):
     assert d.fix_args != ["--gpu-memory-utilization", "0.55"]
     assert any("0.55" in x and "does not fit" in x for x in d.explain)
     r = CliRunner().invoke(cli, ["doctor", str(log), "qwen3-8b", "--gpus", "1xL4"])
-    fix = next(x for x in r.output.splitlines() if x.strip().startswith("fix:"))
-    run = next(x for x in r.output.splitlines() if x.strip().startswith("run:"))
-    flags = fix.split("fix:")[1].split()
+    fix, run = _labelled_line(r.output, "fix"), _labelled_line(r.output, "run")
+    flags = fix.split()
     for i in range(0, len(flags), 2):
         assert f"{flags[i]} {flags[i + 1]}" in run
 
@@ -618,5 +632,64 @@ def test_evidence_escapes_control_characters_and_hides_secrets(tmp_path: Path):
         assert "sk-live-123" not in r.output and "hf_abc" not in r.output
     r = CliRunner().invoke(cli, ["doctor", str(log)])
     assert "\\x1b]0;owned\\x07" in r.output
-    run = next(x for x in r.output.splitlines() if x.strip().startswith("run:"))
+    run = _labelled_line(r.output, "run")
     assert '--api-key "$VLLM_API_KEY"' in run and '--hf-token "$HF_TOKEN"' in run
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_skipping_to_the_last_launch_changes_nothing(tmp_path: Path, seed: int):
+    """A file is read from its last launch (what a restart resets to); the report must equal
+    the one a line-by-line scan of the whole text gives, lines and launches included, for any
+    order of appended start-ups, in one file or split over a folder."""
+    import random
+
+    logs = sorted(FIXTURES.glob("*.log"))
+    rng = random.Random(seed)
+    picked = [rng.choice(logs).read_text() for _ in range(rng.randint(1, 12))]
+    text = "".join(picked)
+    whole = vf.scan_text(text)
+    one = tmp_path / "one" / "vllm.log"
+    one.parent.mkdir()
+    one.write_text(text)
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i, part in enumerate(picked):
+        p = folder / f"vllm-{i:02d}.log"
+        p.write_text(part)
+        os.utime(p, (1_000_000 + i, 1_000_000 + i))
+    for source in (str(one), str(folder)):
+        got = vf.scan_source(source)[0]
+        assert (got.lines, got.launches, got.phase) == (whole.lines, whole.launches, whole.phase)
+        assert [d.to_dict() for d in got.diagnoses] == [d.to_dict() for d in whole.diagnoses]
+
+
+def test_every_rule_match_holds_one_of_its_keys():
+    """The keys that let a line skip a rule's pattern must never hide a match: every fixture
+    line any rule's pattern matches holds one of that rule's keys."""
+    assert set(vf.RULE_KEYS) == {r.cause for r in vf.RULES}
+    for path in FIXTURES.glob("*.log"):
+        for line in path.read_text().splitlines():
+            content = vf.split_line(0, line).content
+            for rule in vf.RULES:
+                if rule.pattern.search(content):
+                    assert any(k in content for k in vf.RULE_KEYS[rule.cause]), (rule.cause, line)
+
+
+def test_a_kv_size_alternative_is_offered_only_when_the_planner_fits_it(tmp_path):
+    """A pinned-KV launch that ran out of context: the log-only explanation offers the KV
+    bytes the asked context needs; with the model and GPUs known that offer survives only if
+    the planner fits it (40 GiB of KV next to Qwen3-8B's weights on a 24 GB L4 does not)."""
+    log = _write_log(tmp_path, {"model": "Qwen/Qwen3-8B", "max_model_len": 40960,
+                                "kv_cache_memory_bytes": 2 << 30},
+                     "ValueError: To serve at least one request with the model's max seq len "
+                     "(40960), (40.00 GiB KV cache is needed, which is larger than the available "
+                     "KV cache memory (2.00 GiB). Based on the available memory, the estimated "
+                     "maximum model length is 2048. Try increasing `gpu_memory_utilization`")
+    report = vf.scan_source(str(log))[0]
+    doctor.apply_log_fixes(report)
+    assert any("--kv-cache-memory-bytes" in x and "if the device" in x for x in report.root.explain)
+    for gpus, fits in (("1xL4", False), ("1xH200", True)):
+        ctx = doctor.context_from_model("qwen3-8b", gpus, Pins(), {}, parse_gpus(gpus))
+        d = doctor.diagnose(str(log), ctx)[0].root
+        offers = [x for x in d.explain if "--kv-cache-memory-bytes" in x]
+        assert offers and all(("does not fit" in x) != fits for x in offers), (gpus, offers)

@@ -340,7 +340,7 @@ def test_tiny_mtp_variant_keeps_the_plain_model_identity(tmp_path):
 
 
 def test_tune_varies_mtp_as_a_knob():
-    from launcher.run import tune
+    from launcher.run import tune_candidates as tune
 
     spec, hw = load_model("deepseek-r1"), parse_gpus("8xH200")
     base = _plan("deepseek-r1", "8xH200").to_dict()

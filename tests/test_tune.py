@@ -29,10 +29,12 @@ from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
 from launcher.predict.planner import Pins
 from launcher.run import tune as T
+from launcher.run import tune_search as S
 from launcher.run.emit import load_plan
 from launcher.run.loadgen import LoadSpec, summarize
-from launcher.run.runner import VllmRunner, arg_value
+from launcher.run.runner import VllmRunner
 from launcher.run.tinymodel import config_dict
+from launcher.run.vllmargs import arg_value
 
 FAKE_VLLM = textwrap.dedent(
     r"""
@@ -225,7 +227,7 @@ def test_knee_search_finds_the_knee_within_resolution():
         seen.append(c)
         return c <= knee
 
-    s = T.KneeSearch(probe, max_concurrency=256, resolution=1.25)
+    s = S.KneeSearch(probe, max_concurrency=256, resolution=1.25)
     lo, hi = s.run()
     assert lo <= knee < hi and hi / lo <= 1.25 and s.bounded
     assert len(seen) == len(set(seen)) <= 10
@@ -233,12 +235,12 @@ def test_knee_search_finds_the_knee_within_resolution():
 
 
 def test_knee_search_edges():
-    s = T.KneeSearch(lambda c: False, max_concurrency=64)
+    s = S.KneeSearch(lambda c: False, max_concurrency=64)
     assert s.run() == (0, 1)
-    s = T.KneeSearch(lambda c: True, max_concurrency=48)
+    s = S.KneeSearch(lambda c: True, max_concurrency=48)
     assert s.run() == (48, None) and not s.bounded
     # from a hint above the knee it walks down, then bisects
-    s = T.KneeSearch(lambda c: c <= 10, max_concurrency=256, resolution=1.25, hint=40)
+    s = S.KneeSearch(lambda c: c <= 10, max_concurrency=256, resolution=1.25, hint=40)
     lo, hi = s.run()
     assert lo <= 10 < hi <= 12
 
@@ -249,9 +251,9 @@ def test_fragile_when_the_verdict_flips_within_ten_percent():
     raw = {"completed": 10, "failed": 0, "duration": 1.0, "request_throughput": 10,
            "request_goodput": 10, "output_throughput": 320, "output_lens": [32] * 10,
            "ttfts": [0.2] * 10, "latencies": [0.2 + 31 * 0.030] * 10}
-    assert not T.fragile(summarize(raw, spec), slo)
+    assert not S.fragile(summarize(raw, spec), slo)
     raw["latencies"] = [0.2 + 31 * 0.049] * 10  # 49 ms per token: within 10% of 50
-    assert T.fragile(summarize(raw, spec), slo)
+    assert S.fragile(summarize(raw, spec), slo)
 
 
 def test_candidates_from_the_planner_rank_layouts_and_keep_baseline_minimal():
@@ -301,11 +303,15 @@ def test_tune_end_to_end_on_a_fake_engine(tmp_path: Path, fake_engine, tiny_spec
 
     saved = json.loads((tmp_path / "out" / "tune.json").read_text())
     assert saved["recommended"] == doc["recommended"]
-    for key in ("vllm_version", "hardware", "started_at", "finished_at", "workload", "slo",
+    for key in ("vllm_version", "gpus", "started_at", "finished_at", "workload", "slo",
                 "baseline", "recommended", "trials"):
         assert key in saved, key
     statuses = {t["status"] for t in saved["trials"]}
     assert statuses <= set(T.STATUSES)
+    import jsonschema  # the real tune.json against launcher/schemas/tune.json
+
+    schema = json.loads((Path(T.__file__).parents[1] / "schemas" / "tune.json").read_text())
+    jsonschema.validate(saved, schema)
 
     bad = [t for t in saved["trials"] if t["source"] == "user" and "1000" in t["vllm_args"]]
     assert len(bad) == 1 and bad[0]["status"] == "infeasible"

@@ -27,6 +27,7 @@ import ast
 import contextlib
 import functools
 import io
+import mmap
 import os
 import re
 import stat
@@ -66,7 +67,6 @@ _QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")
 _NCCL = re.compile(r"^([\w.-]+):(\d+):\d+ \[\d+\] NCCL ")
 # uvicorn's own "INFO:     Started server process" / "WARNING:  ..." lines.
 # Indented text, after vLLM's prefix or at the start: a traceback frame or source line.
-_INDENTED = re.compile(r"^\s|\] \s")
 # Python source as a traceback quotes it: a statement, a call, a string literal.
 _SOURCE = re.compile(r"(?:raise|assert|return|File|if|elif|with|for|yield|await)\b|[fr]?[\"'(\[]"
                      r"|[\w.]+\s*(?:=|\()|\^|~")
@@ -407,10 +407,13 @@ RULES: tuple[Rule, ...] = (
         "engine/arg_utils.py EngineArgs.add_cli_args: argparse choices from "
         "config/cache.py CacheDType", phase="starting"),
     Rule("quantization_unsupported", _r(
-        r"The quantization method (?P<method>\S+) is not supported for the current GPU\. "
+        r"The quantization method (?P<method>\S+(?: \+ \S+)?) is not supported for the current "
+        r"GPU\. "
         r"Minimum capability: (?P<min>\d+)\. Current capability: (?P<cur>\d+)"),
         "weights", "OTHER",
-        "config/vllm.py VllmConfig._get_quantization_config (V1 releases)", phase="starting"),
+        "model_executor/model_loader/loader.py _get_quantization_config (0.6) and config/vllm.py "
+        "VllmConfig._get_quantization_config (0.32), same wording; layers/quantization/"
+        "moe_wna16.py \"moe_wna16 + awq\" (0.11 on)", phase="starting"),
     Rule("missing_module", _r(
         r"(?:ModuleNotFoundError|ImportError): No module named '(?P<module>[\w.]+)'"),
         "none", "OTHER", "Python's import system"),
@@ -440,9 +443,12 @@ RULES: tuple[Rule, ...] = (
         r"GatedRepoError|Cannot access gated repo|401 Client Error.*huggingface\.co"),
         "none", "OTHER", "huggingface_hub: a gated repo without a token", phase="starting"),
     Rule("engine_ready_timeout", _r(
-        r"Timed out waiting for engine core processes to start\..*?Waited (?P<waited>\d+)s"),
+        r"Timed out waiting for engine core processes to start\..*?Waited (?P<waited>\d+)s"
+        r"|Timed out waiting for engines to send ?initial message on input socket"),
         "none", "OTHER",
-        "v1/engine/core_client.py MPClient.__init__ (VLLM_ENGINE_READY_TIMEOUT_S, 0.32.0)"),
+        "v1/engine/core_client.py MPClient.__init__: \"Timed out waiting for engine core "
+        "processes to start ... Waited Ns\" (0.20 on, VLLM_ENGINE_READY_TIMEOUT_S); "
+        "\"Timed out waiting for engines to send initial message on input socket\" (0.11, 0.14)"),
     Rule("max_model_len_exceeds_model", _r(
         r"User-specified max_model_len \((?P<asked>\d+)\) is greater than the derived "
         r"max_model_len \((?P<key>\w+)=(?P<derived>\d+)"),
@@ -460,18 +466,42 @@ RULES: tuple[Rule, ...] = (
 )
 _RULE_BY_CAUSE = {r.cause: r for r in RULES}
 _NCCL_SPECIFIC = {"nccl_shared_memory", "nccl_peer_access", "nccl_infiniband", "nccl_socket"}
-# One cheap pre-check before the per-rule patterns: a line without any of these words cannot
-# match a rule (keeps a 50,000-line log well under a second).
-_RULE_HINT = re.compile(
-    r"max seq len|cache blocks|memory on|memory profiling|out of memory|OutOfMemory"
-    r"|not enough GPU|-9\b|137|OOMKilled|Killed|oom-kill|NCCL|Watchdog|DistBackend"
-    r"|kv_cache_dtype|FP8 KV|fp8e4nv|Float8|--kv-cache-dtype|quantization method|No module"
-    r"|already in use|Repo id|not a local folder|Repository Not Found|Invalid repository"
-    r"|huggingface|outgoing traffic|LocalEntryNotFound|Max retries|Gated|gated"
-    r"|Timed out waiting|max_model_len|attention heads|: error: |shared memory|posix_fallocate"
-    r"|peer access|PeerAccess|peer mapping|IPC|NET/IB|ibv_|completion from peer|socket"
-    r"|Bootstrap|head_dim="
-)
+# Fixed text every match of a rule contains (one of): a line holding none of a rule's keys is not
+# searched with its pattern, and a line holding no key at all is not searched with any (keeps a
+# 50,000-line log well under a second). tests/test_doctor.py checks every fixture line a rule
+# matches holds one of its keys.
+RULE_KEYS: dict[str, tuple[str, ...]] = {
+    "kv_cache_too_small": ("max seq len",),
+    "no_kv_cache_memory": ("cache blocks",),
+    "free_memory_below_utilization": ("memory on ",),
+    "memory_changed_during_profiling": ("Error in memory profiling",),
+    "sampler_warmup_oom": ("out of memory occurred when warming up",),
+    "cuda_oom": ("out of memory", "OutOfMemoryError", "not enough GPU memory"),
+    "host_oom_killed": ("-9", "137", "OOMKilled", "Killed", "oom-kill"),
+    "nccl_timeout": ("Watchdog", "NCCL"),
+    "nccl_shared_memory": ("shared memory", "failed to extend", "posix_fallocate"),
+    "nccl_peer_access": ("peer access", "PeerAccess", "peer mapping", "IPC"),
+    "nccl_infiniband": ("NET/IB", "completion from peer", "ibv_"),
+    "nccl_socket": ("NCCL WARN", "socketProgress", "Bootstrap"),
+    "cpu_attention_head_size": ("head_dim=",),
+    "nccl_error": ("NCCL error", "nccl", "DistBackendError"),
+    "kv_cache_dtype_unsupported": ("kv_cache_dtype", "FP8 KV", "fp8e4nv", "Float8_e"),
+    "invalid_kv_cache_dtype": ("--kv-cache-dtype: invalid choice",),
+    "quantization_unsupported": ("The quantization method",),
+    "missing_module": ("No module named",),
+    "port_in_use": ("ddress already in use",),
+    "model_not_found": ("Repo id must be", "is not a local folder", "RepositoryNotFoundError",
+                        "Repository Not Found", "Invalid repository ID"),
+    "hub_unreachable": ("huggingface.co", "outgoing traffic", "LocalEntryNotFoundError",
+                        "Max retries exceeded"),
+    "hub_access_denied": ("GatedRepoError", "gated repo", "401 Client Error"),
+    "engine_ready_timeout": ("Timed out waiting for engine",),
+    "max_model_len_exceeds_model": ("User-specified max_model_len",),
+    "tp_not_divisible": ("must be divisible by tensor parallel size",),
+    "invalid_argument": (": error: ",),
+}
+_RULE_HINT = re.compile("|".join(re.escape(k) for k in
+                                 dict.fromkeys(k for keys in RULE_KEYS.values() for k in keys)))
 
 
 def _consumer_by_phase(phase: str, marker: str, cpu: bool) -> str:
@@ -533,7 +563,40 @@ class Diagnosis:
                 "fix_args": list(self.fix_args), "explain": list(self.explain),
                 "fix_env": dict(self.fix_env), "serve_command": self.serve_command,
                 "transient": self.transient, "source": self.source,
-                "numbers": dict(self.numbers), "first_line": self.first_line}
+                "numbers": json_numbers(self.numbers), "first_line": self.first_line}
+
+
+# What each message's numbers are called in JSON: the names the plan uses for the same things
+# (max_model_len, gpu_memory_utilization, kv_cache.dtype, tp, ...), with the unit vLLM printed
+# them in (vLLM prints GiB; the plan's byte counts are *_bytes).
+_JSON_NAMES = {
+    "needed": "needed_kv_gib", "available": "available_kv_gib",
+    "estimate": "estimated_max_model_len", "kv_tokens": "kv_cache.tokens",
+    "free": "free_gib", "total": "total_gib", "util": "gpu_memory_utilization",
+    "requested": "requested_gib", "kv_requested": "kv_requested_gib",
+    "initial": "initial_free_gib", "current": "current_free_gib",
+    "num_reqs": "max_num_seqs", "asked": "max_model_len", "derived": "derived_max_model_len",
+    "key": "config_key", "heads": "num_attention_heads", "dtype": "kv_cache.dtype",
+    "method": "quantization", "min": "min_compute_capability", "cur": "compute_capability",
+    "size": "shm_segment_bytes", "segment": "shm_segment", "waited": "waited_s",
+    "unknown": "unknown_arguments", "module": "module", "model": "model", "unit": "unit",
+}
+
+
+def json_numbers(numbers: dict[str, Any]) -> dict[str, Any]:
+    """A diagnosis' numbers under the JSON vocabulary's names ("a.b" nests as {"a": {"b"}});
+    the profiling error's raw byte counts (V0) become GiB like the other releases print."""
+    out: dict[str, Any] = {}
+    for key, value in numbers.items():
+        if key in ("initial", "current") and isinstance(value, (int, float)) and value > 1 << 20:
+            value = round(value / (1 << 30), 2)
+        name = _JSON_NAMES.get(key, key)
+        head, _, tail = name.partition(".")
+        if tail:
+            out.setdefault(head, {})[tail] = value
+        else:
+            out[name] = value
+    return out
 
 
 @dataclass
@@ -624,7 +687,13 @@ class Report:
         return {"diagnoses": [d.to_dict() for d in self.diagnoses], "phase": self.phase,
                 "lines": self.lines, "launches": self.launches,
                 "vllm_version": self.facts.numbers.get("vllm_version"),
-                "model": self.facts.arg("model")}
+                "model": _model_of(self.facts)}
+
+
+def _model_of(facts: Facts) -> dict[str, str] | None:
+    """The log's model as the plan's JSON names it (`model.name`), or None."""
+    name = facts.arg("model") or facts.arg("model_tag")
+    return {"name": str(name)} if name else None
 
 
 class Scanner:
@@ -659,8 +728,9 @@ class Scanner:
             elif _has_context(raw):
                 self._context(raw)
             return
-        if _INDENTED.search(raw) is not None and (
-                _RULE_HINT.search(raw) is None or _SOURCE.match(raw.split("] ", 1)[-1].strip())):
+        hint = _RULE_HINT.search(raw) is not None
+        if (raw[:1].isspace() or "]  " in raw or "] \t" in raw) and (
+                not hint or _SOURCE.match(raw.split("] ", 1)[-1].strip())):
             # A traceback's frame or source line ("    raise ValueError(...)"): neither an
             # error message nor a marker; the message itself follows as "ValueError: ...".
             # An indented message (pydantic's "  Value error, ...") still counts.
@@ -673,7 +743,7 @@ class Scanner:
             self._context(content)
         if not line.errorish:
             return
-        if _RULE_HINT.search(content) and self._match(line):
+        if hint and self._match(line):
             return
         if not line.wrapper:
             self._remember_error(line)
@@ -697,11 +767,17 @@ class Scanner:
             self.phase, self.marker = phase, marker
 
     def _match(self, line: Line) -> bool:
+        content = line.content
         for rule in RULES:
             if line.wrapper and not rule.on_wrappers and "Worker failed with error" not in \
-                    line.content:
+                    content:
                 continue
-            m = rule.pattern.search(line.content)
+            for key in RULE_KEYS[rule.cause]:
+                if key in content:
+                    break
+            else:
+                continue
+            m = rule.pattern.search(content)
             if m is None:
                 continue
             phase = rule.phase or self.phase or "starting"
@@ -826,14 +902,65 @@ def _lines_of(stream: TextIO, budget: list[int] | None = None) -> Iterator[str]:
         yield chunk
 
 
-def _open_tail(path: Path) -> TextIO:
-    """The file as text from at most MAX_BYTES before its end, starting at a whole line."""
+def _tail_start(size: int, m: Any) -> int:
+    """Where reading a file of `size` bytes starts: at most MAX_BYTES before its end, on a
+    line boundary."""
+    if size <= MAX_BYTES:
+        return 0
+    cut = m.find(b"\n", size - MAX_BYTES)
+    return size if cut < 0 else cut + 1
+
+
+def _last_launch(path: Path) -> tuple[int, int, int] | None:
+    """(offset, lines before it, launches before it) of the last launch in the file's tail,
+    or None when the tail holds no launch. A restart resets the diagnosis (the last launch is
+    the one diagnosed), so everything before the last launch only counts lines and launches:
+    a crash-looping pod's 50,000 lines are then scanned from its last start."""
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            start = _tail_start(size, m)
+            pos = m.rfind(_LAUNCH.encode(), start)
+            if pos < 0:
+                return None
+            line = m.rfind(b"\n", start, pos) + 1 or start
+            before = m[start:line]
+            return line, before.count(b"\n"), before.count(_LAUNCH.encode())
+
+
+def _open_at(path: Path, offset: int | None = None) -> TextIO:
+    """The file as text from `offset`, or from at most MAX_BYTES before its end, starting at a
+    whole line."""
     f = path.open("rb")
-    size = os.fstat(f.fileno()).st_size
-    if size > MAX_BYTES:
-        f.seek(size - MAX_BYTES)
-        f.readline()  # the rest of a line cut in half
+    if offset is None:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_BYTES:
+            f.seek(size - MAX_BYTES)
+            f.readline()  # the rest of a line cut in half
+    else:
+        f.seek(offset)
     return io.TextIOWrapper(f, encoding="utf-8", errors="replace")
+
+
+def _skip_to_last_launch(files: list[Path], scanner: Scanner) -> tuple[int, int | None]:
+    """(index of the first file to read, offset in it) after skipping what precedes the last
+    launch of the stream; the skipped lines and launches are counted into `scanner`."""
+    for i in range(len(files) - 1, -1, -1):
+        found = _last_launch(files[i])
+        if found is None:
+            continue
+        offset, lines, launches = found
+        for skipped in files[:i]:
+            with _open_at(skipped) as stream:
+                for raw in _lines_of(stream):
+                    lines += 1
+                    launches += _LAUNCH in raw
+        scanner.count, scanner.launches = lines, launches
+        scanner.vllm_seen = True
+        return i, offset
+    return 0, None
 
 
 def scan_lines(lines: Iterable[str]) -> Report:
@@ -881,19 +1008,22 @@ def scan_source(source: str, stdin: TextIO | None = None) -> tuple[Report, list[
         else:
             files = [path]
         scanner = Scanner()
-        for f in files:
-            try:
-                if f is path:
-                    with f.open("rb") as head:
-                        first = head.read(_HEAD)
-                    if first and not _mentions_vllm(first):
-                        raise InputError(f"{source} is not a vLLM log (no vLLM line in its "
-                                         "first 64 KiB); pass the log of a vLLM start")
-                with _open_tail(f) as stream:
+        try:
+            if files == [path]:
+                with path.open("rb") as head:
+                    first = head.read(_HEAD)
+                if first and not _mentions_vllm(first):
+                    raise InputError(f"{source} is not a vLLM log (no vLLM line in its "
+                                     "first 64 KiB); pass the log of a vLLM start")
+            start, offset = _skip_to_last_launch(files, scanner)
+            for i, f in enumerate(files[start:]):
+                with _open_at(f, offset if i == 0 else None) as stream:
                     for raw in _lines_of(stream):
                         scanner.feed(raw)
-            except OSError as e:
-                raise InputError(f"cannot read {f}: {e.strerror or e}") from None
+        except OSError as e:
+            raise InputError(f"cannot read {e.filename or source}: {e.strerror or e}") from None
+        except ValueError as e:  # mmap of a file that changed size while read
+            raise InputError(f"cannot read {source}: {e}") from None
         report = scanner.report()
         names = [str(f) for f in files]
     if report.lines == 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import shlex
 import socket
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_t
 from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
 from ..predict.planner import Pins, inputs_from_plan, make_plan
 from ..predict.replan import merge_args, replan_pins
+from ..term import PIPED_WIDTH, fit, shell_lines, wrap
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
 
@@ -535,6 +537,11 @@ def launch_pins(ctx: PlanContext, facts: Facts) -> Any:
     ran with (its "non-default args", the max model len it used, its vLLM version) on top, so
     a fix is checked against what really ran, not against what the planner would choose."""
     changes: dict[str, Any] = {}
+    if facts.args:  # "non-default args" lists every non-default: an absent one was vLLM's
+        changes.update(tp=1, pp=1, dp=1,
+                       expert_parallel=bool(facts.arg("enable_expert_parallel")))
+        if not facts.arg("speculative_config"):
+            changes.update(speculative=False, num_speculative_tokens=None)
     for key, pin in _ARG_PINS.items():
         value = facts.arg(key)
         if value is not None and value is not False:
@@ -669,18 +676,21 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
     candidate (the log's fix, the measured re-plan, the planner's own choice) that the
     planner says fits becomes the fix, and the `fix:` flags and the `run:` command come from
     the same pins. A fix the planner says will not fit is never shown."""
+    if not any(d.cause in _PLANNED_CAUSES for d in report.diagnoses):
+        return  # nothing the planner decides (a port, a missing module): no plan to make
     pins = launch_pins(ctx, report.facts)
     failed = _plan(ctx, pins)
     for d in report.diagnoses:
         if d.cause not in _PLANNED_CAUSES:
             continue
+        d.explain = [_checked_alternative(x, ctx, pins) for x in d.explain]
         refused: list[str] = []
         for new, why in _candidates(d, ctx, pins, failed):
             plan = _plan(ctx, new)
-            if plan is None or not plan.fits:
+            if plan is None or not _fits(plan):
                 if plan is not None and why == "the log's fix":
                     refused.append(f"the log's fix ({shlex.join(d.fix_args)}) does not fit by "
-                                   f"vlaunch's planner: {plan.chosen.problem}")
+                                   f"vlaunch's planner: {_problem(plan)}")
                 continue
             settled = _settled(new, plan)
             d.fix_args = _changed_flags(pins, new, settled)
@@ -693,6 +703,46 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
                 "vlaunch's planner found no fix that fits this model on this hardware with "
                 "these settings"]
             d.fix_args, d.serve_command = [], None
+
+
+def _fits(plan: Any) -> bool:
+    """The planner's verdict, and every GPU's consumers within the card: a pinned KV size is
+    what vLLM allocates (it skips profiling), so one larger than the card is an OOM even
+    where a planner release takes the pin on trust."""
+    if not plan.fits:
+        return False
+    d = plan.to_dict()
+    g = d["per_gpu"]
+    used = sum(g.get(k, 0) for k in ("weights_bytes", "activation_bytes", "cudagraph_bytes",
+                                      "non_torch_bytes", "kv_cache_bytes"))
+    return plan.hardware.is_cpu or used <= d["gpus"]["total_bytes"]
+
+
+def _problem(plan: Any) -> str:
+    if not plan.fits:
+        return plan.chosen.problem
+    d = plan.to_dict()
+    g = d["per_gpu"]
+    return (f"the pinned KV cache ({g['kv_cache_bytes'] / (1 << 30):.1f} GiB) and weights "
+            f"({g['weights_bytes'] / (1 << 30):.1f} GiB) exceed the "
+            f"{d['gpus']['total_bytes'] / (1 << 30):.1f} GiB card")
+
+
+_ALTERNATIVE = re.compile(r"--kv-cache-memory-bytes (\d+)")
+
+
+def _checked_alternative(line: str, ctx: PlanContext, pins: Any) -> str:
+    """An explanation that offers another flag (a KV size for the asked context) keeps the
+    offer only when the planner says it fits; otherwise it says why not."""
+    m = _ALTERNATIVE.search(line)
+    if m is None:
+        return line
+    plan = _plan(ctx, dataclasses.replace(pins, kv_cache_memory_bytes=int(m.group(1))))
+    if plan is not None and _fits(plan):
+        return line + " (checked: the planner fits it)"
+    why = _problem(plan) if plan is not None else "the planner refused the settings"
+    return (f"--kv-cache-memory-bytes {int(m.group(1)):,} for the asked context does not fit "
+            f"by vlaunch's planner: {why}")
 
 
 _SOURCES = {"model": "the model and GPUs given", "plan": "the plan given",
@@ -761,29 +811,37 @@ def diagnose(source: str, ctx: PlanContext | None = None,
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def render(report: Report, names: list[str]) -> str:
-    """The report for people: the root cause first, each with evidence, fix and command."""
+def render(report: Report, names: list[str], width: int = PIPED_WIDTH) -> str:
+    """The report for people: the root cause first, each with evidence, fix and command, every
+    line within `width` columns (long log lines wrap under their "|", reasons under their
+    "-", the command continued with backslashes so it still pastes)."""
     src = ", ".join(names)
-    out = [f"vlaunch doctor: {src} ({report.lines:,} lines; furthest phase: "
-           f"{report.phase or 'none'})"]
+    out = fit([f"vlaunch doctor: {src} ({report.lines:,} lines; furthest phase: "
+               f"{report.phase or 'none'})"], width)
     if not report.diagnoses:
-        out.append("no failure found: vLLM printed no error this doctor knows or that looks like "
-                   "one")
+        out += fit(["no failure found: vLLM printed no error this doctor knows or that looks "
+                    "like one"], width)
         return "\n".join(out)
     for i, d in enumerate(report.diagnoses):
         title = "root cause" if i == 0 else "also"
         ranks = f", ranks: {d.ranks}" if d.ranks > 1 else ""
         out.append("")
-        out.append(f"{title}: {d.cause} (phase: {d.phase}, consumer: {d.consumer}{ranks}"
-                   + (", transient" if d.transient else "") + ")")
+        out += fit([f"{title}: {d.cause} (phase: {d.phase}, consumer: {d.consumer}{ranks}"
+                    + (", transient" if d.transient else "") + ")"], width)
         for e in d.evidence[:4]:
-            out.append(f"  | {e[:300]}")
+            out += wrap(e[:600], width, indent="  | ", hang="  | ")
         for x in d.explain:
-            out.append(f"  - {x}")
+            out += fit([f"  - {x}"], width)
         if d.fix_args or d.fix_env:
-            env = " ".join(f"{k}={v}" for k, v in d.fix_env.items())
-            out.append("  fix: " + " ".join(filter(None, [env, shlex.join(d.fix_args)])))
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in d.fix_env.items())
+            fix = " ".join(filter(None, [env, shlex.join(d.fix_args)]))
+            out += _labelled("fix", fix, width)
         if d.serve_command:
-            out.append(f"  run: {d.serve_command}")
+            out += _labelled("run", d.serve_command, width)
     return "\n".join(out)
 
+
+def _labelled(label: str, command: str, width: int) -> list[str]:
+    """`  fix: CMD`, the command wrapped with backslashes when it is wider than the text."""
+    lines = shell_lines(command, width, indent=" " * (len(label) + 4))
+    return [f"  {label}: " + lines[0].lstrip()] + lines[1:]

@@ -84,11 +84,6 @@ class VersionTraits:
         return feature in self.features
 
 
-def feature_since(feature: str) -> str:
-    """The first vLLM release with a feature (profiles/capabilities.yaml vllm_features)."""
-    return str(table()["vllm_features"][feature]["since"])
-
-
 def gate_reason(feature: str, version: str) -> str:
     """Why a plan for `version` does without a feature, in one phrase."""
     row = table()["vllm_features"][feature]

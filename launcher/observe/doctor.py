@@ -546,10 +546,6 @@ def launch_pins(ctx: PlanContext, facts: Facts) -> Any:
         value = facts.arg(key)
         if value is not None and value is not False:
             changes[pin] = value
-    if {"tp", "pp", "dp"} & set(changes):  # the log's "non-default args" omit sizes of 1:
-        for size in ("tp", "pp", "dp"):  # a plan's other sizes did not run
-            if size not in changes and getattr(ctx.pins, size) not in (None, 1):
-                changes[size] = 1
     used = facts.number("max_model_len")
     if "max_model_len" not in changes and used and ctx.pins.max_model_len is None:
         changes["max_model_len"] = int(used)

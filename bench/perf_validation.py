@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from startup_validation import find_model, version_of
+
 from launcher.errors import InputError
 from launcher.inputs.hardware import Hardware, gpu_kind
 from launcher.inputs.model import ModelSpec
@@ -31,7 +33,6 @@ from launcher.predict import mtp, perf
 from launcher.predict.budget import Layout
 from launcher.predict.capabilities import version_traits
 from launcher.predict.planner import Pins, evaluate
-from launcher.predict.validation import find_model, version_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ROOT / "tests" / "fixtures" / "perf" / "vllm-perf-observations.csv"

@@ -5,6 +5,7 @@ stating vLLM 0.32's rule and the numbers it gives. The engine proof is tests/tes
 from __future__ import annotations
 
 import pytest
+import tinyhybrid
 
 from launcher.inputs.arch import layer_kinds
 from launcher.inputs.hardware import parse_gpus
@@ -13,7 +14,6 @@ from launcher.predict import budget as B
 from launcher.predict import kvcache as K
 from launcher.predict.capabilities import version_traits
 from launcher.predict.planner import Pins, make_plan
-from launcher.run import tinyhybrid
 
 
 def test_uniform_model_is_one_group_and_matches_the_old_count():

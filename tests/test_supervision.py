@@ -28,17 +28,13 @@ from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.predict.planner import Pins
-from launcher.run import runner as runner_mod
+from launcher.run import logpump
+from launcher.run.drain import DEFAULT_STOP_TIMEOUT_S, drain_seconds, with_drain
 from launcher.run.multinode import build_launch
-from launcher.run.runner import (
-    DEFAULT_STOP_TIMEOUT_S,
-    VllmRunner,
-    drain_seconds,
-    free_port,
-    serve_both_names,
-    with_drain,
-)
+from launcher.run.procgroup import pids_in_group
+from launcher.run.runner import VllmRunner
 from launcher.run.serve import run_node, serve
+from launcher.run.vllmargs import free_port, port_answers, serve_both_names
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -79,6 +75,14 @@ def model(tmp_path: Path) -> Path:
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(SMALL_CONFIG))
     return d
+
+
+def _last_command(lines: list[str]) -> str:
+    """The last command a dry run printed, its backslash-continued lines joined."""
+    i = len(lines) - 1
+    while i > 0 and lines[i - 1].endswith(" \\"):
+        i -= 1
+    return " ".join(x.strip().removesuffix("\\").strip() for x in lines[i:])
 
 
 def _serve(model: Path, gpus: str = "cpu", pins: Pins | None = None, extra=(), **kw):
@@ -134,6 +138,14 @@ class Vlaunch:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def _wait_for_file(path: Path, timeout: float = 30) -> None:
+    """A handshake from the fake engine (FAKE_VLLM_INFLIGHT_FILE and the like)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"the fake engine never wrote {path}"
+        time.sleep(0.05)
+
+
 def _fake_pids(path: Path, timeout: float = 20) -> tuple[int, int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -147,7 +159,7 @@ def _fake_pids(path: Path, timeout: float = 20) -> tuple[int, int]:
 def _gone(pids: tuple[int, ...], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(runner_mod._pids_in_group(p) or _alive(p) for p in pids):
+        if not any(pids_in_group(p) or _alive(p) for p in pids):
             return True
         time.sleep(0.1)
     return False
@@ -172,11 +184,12 @@ def _lessons(tmp_path: Path) -> dict:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_during_smoke_request_ends_the_run_without_restart_or_lesson(env, model, tmp_path,
                                                                            sig):
-    env("slow_smoke", delay=30)
+    inflight = tmp_path / "inflight"
+    env("slow_smoke", delay=30, inflight_file=inflight)
     v = Vlaunch("serve", str(model), "--gpus", "cpu", "--kv-cache-dtype", "fp8", "--no-metrics",
                 "--stop-timeout", "1", "--log-dir", str(tmp_path), cwd=tmp_path)
     v.wait_for(r"vLLM is ready; planned vs actual")
-    time.sleep(0.5)  # the smoke request is in flight (it takes 30 s)
+    _wait_for_file(inflight)  # the fake has the smoke request (it answers in 30 s)
     os.kill(v.proc.pid, sig)
     assert v.finish() == 128 + sig, v.text
     assert "restarting" not in v.text and "attempt 2" not in v.text, v.text
@@ -258,7 +271,7 @@ def orphan(tmp_path: Path):
                              "--served-model-name", "small"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
-    while not runner_mod.port_answers("127.0.0.1", port):
+    while not port_answers("127.0.0.1", port):
         assert time.monotonic() < deadline and proc.poll() is None, "orphan did not start"
         time.sleep(0.05)
     yield port
@@ -361,8 +374,8 @@ def test_a_slow_terminal_does_not_stall_vllm(env, tmp_path):
 
 
 def test_the_log_is_rotated_and_read_back_in_bounded_pieces(env, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner_mod, "LOG_HEAD_BYTES", 64 << 10)
-    monkeypatch.setattr(runner_mod, "LOG_TAIL_BYTES", 64 << 10)
+    monkeypatch.setattr(logpump, "LOG_HEAD_BYTES", 64 << 10)
+    monkeypatch.setattr(logpump, "LOG_TAIL_BYTES", 64 << 10)
     env("flood", flood_lines=30000)  # about 3.5 MB
     r = _runner(tmp_path, log_max_bytes=1 << 20)
     with r:
@@ -442,7 +455,7 @@ def test_flags_that_change_how_vllm_is_reached_are_used(env, tmp_path, monkeypat
 def test_layout_flags_after_dashdash_are_pins(env, model, tmp_path):
     result, lines = _serve(model, gpus="2xH100", extra=["--tensor-parallel-size", "2"],
                            dry_run=True)
-    command = lines[-1].split()
+    command = result.command
     assert command.count("--tensor-parallel-size") == 1
     assert command[command.index("--tensor-parallel-size") + 1] == "2"
     assert result.plan["parallel"]["tp"] == 2
@@ -541,14 +554,15 @@ def test_ray_worker_runs_ray_start_not_vllm(env, model, tmp_path, fake_ray):
     plan = _ray_plan(model)
     launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=True)
-    words = [w for w in lines[-1].split() if not re.match(r"^[A-Z_]+=", w)]  # after the env
+    words = [w for w in _last_command(lines).split()
+             if not re.match(r"^[A-Z_]+=", w)]  # after the env
     assert rc == 0 and words == ["ray", "start", "--address=10.0.0.1:6379", "--block"]
     _run_node(launch, plan, tmp_path, dry_run=False)
     assert fake_ray() == [["start", "--address=10.0.0.1:6379", "--block"]]
 
 
 def test_ray_leader_starts_the_head_then_vllm(env, model, tmp_path, fake_ray):
-    env("ready", lifetime=1, argv_file=tmp_path / "argv.json")
+    env("ready", lifetime=1, lifetime_from="ready", argv_file=tmp_path / "argv.json")
     plan = _ray_plan(model)
     launch = build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=False)
@@ -587,7 +601,7 @@ def test_mp_worker_runs_headless_vllm_and_refuses_a_layout_change(env, model, tm
     plan = make_plan(load_model(str(model)), parse_gpus("2x4xH100"), Pins(tp=4, pp=2)).to_dict()
     launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=True)
-    words = lines[-1].split()
+    words = _last_command(lines).split()
     assert rc == 0 and "--headless" in words and "--port" not in words
     assert words[words.index("serve") + 1] == str(model)
     with pytest.raises(InputError, match="layout is fixed"):
@@ -652,4 +666,4 @@ def test_port_answers_is_false_for_a_closed_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening
-        assert not runner_mod.port_answers("127.0.0.1", port)
+        assert not port_answers("127.0.0.1", port)

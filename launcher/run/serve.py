@@ -36,55 +36,21 @@ from typing import Any
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
+from ..inputs.vllm_failures import classify
+from ..observe.doctor import explain_log
 from ..predict.budget import GiB
 from ..predict.capabilities import lesson_key, record_lesson
 from ..predict.planner import Pins, Plan, make_plan
+from ..predict.replan import merge_args, replan_pins
 from ..render import plan_text
+from ..term import command as command_lines
+from ..term import fit, width
 from . import vllmlog
-from .runner import (
-    DEFAULT_STOP_TIMEOUT_S,
-    VLLM_COMMAND_ENV,
-    VllmRunner,
-    arg_value,
-    free_port,
-    prefixed_echo,
-    serve_both_names,
-    vllm_command,
-    with_drain,
-)
-
-STARTUP_SECONDS_BASE = 300
-STARTUP_BYTES_PER_SECOND = 200 * (1 << 20)
-"""Start-up deadline: 5 minutes plus the weights at 200 MiB/s (a slow network volume); a
-DeepSeek-V3 FP8 load is given about an hour. A hang past it is a failure, not a wait."""
-
-
-def merge_args(planned: list[str], extra: list[str]) -> tuple[list[str], list[str]]:
-    """The plan's vLLM args with the user's extra args on top: a user's flag replaces the plan's
-    flag of the same name. Returns (args, one note per overridden flag)."""
-    def flags(args: list[str]) -> list[tuple[str, list[str]]]:
-        out: list[tuple[str, list[str]]] = []
-        for a in args:
-            if a.startswith("--"):
-                name, eq, value = a.partition("=")
-                out.append((name, [value] if eq else []))
-            elif out:
-                out[-1][1].append(a)
-        return out
-
-    mine = flags(extra)
-    names = {n for n, _ in mine}
-    notes, merged = [], []
-    for name, values in flags(planned):
-        if name in names:
-            user = next(v for n, v in mine if n == name)
-            notes.append(f"{name} {' '.join(user)} (yours) replaces the plan's "
-                         f"{' '.join(values) or 'on'}")
-            continue
-        merged += [name, *values]
-    for name, values in mine:
-        merged += [name, *values]
-    return merged, notes
+from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
+from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadline_s
+from .logpump import prefixed_echo
+from .runner import VllmRunner
+from .vllmargs import VLLM_COMMAND_ENV, arg_value, free_port, serve_both_names, vllm_command
 
 
 @dataclass
@@ -101,38 +67,8 @@ class ServeResult:
     attempts: list[Attempt] = field(default_factory=list)
     plan: dict[str, Any] | None = None
     actual: dict[str, Any] | None = None
-
-
-def replan_pins(pins: Pins, plan: Plan, failure: vllmlog.Failure) -> tuple[Pins, str] | None:
-    """New pins from what a failed start-up measured; None when retrying cannot help."""
-    c = plan.chosen
-    if failure.kind == "KV_SHORTAGE":
-        if failure.estimated_max_model_len:
-            length = failure.estimated_max_model_len
-        elif failure.available_kv_gib:
-            length = int(failure.available_kv_gib * GiB // c.kv_bytes_per_token)
-        else:
-            length = c.max_model_len // 2
-        length = max(c.block_size, length // c.block_size * c.block_size)
-        return (dataclasses.replace(pins, max_model_len=length),
-                f"vLLM had KV cache for fewer tokens than max-model-len; retrying with "
-                f"--max-model-len {length:,} (what its measured KV memory holds)")
-    if failure.kind == "INSUFFICIENT_FREE_MEMORY" and failure.free_gib and failure.total_gib:
-        u = int((failure.free_gib / failure.total_gib - 0.01) * 100) / 100
-        return (dataclasses.replace(pins, gpu_memory_utilization=max(0.05, u)),
-                f"only {failure.free_gib:.2f} GiB was free; retrying with "
-                f"--gpu-memory-utilization {u:.2f}")
-    if failure.kind in ("DEVICE_OOM", "NO_KV_MEMORY"):
-        u = round(c.utilization - 0.05, 2)
-        if u <= 0.1 and not plan.hardware.is_cpu:
-            return None
-        tokens = max(512, c.max_num_batched_tokens // 2)
-        return (dataclasses.replace(pins, gpu_memory_utilization=u if not plan.hardware.is_cpu
-                                    else pins.gpu_memory_utilization,
-                                    max_num_batched_tokens=tokens),
-                f"out of memory at start-up; retrying with utilization {u:.2f} and "
-                f"--max-num-batched-tokens {tokens}")
-    return None
+    command: list[str] | None = None  # a dry run: the argv vlaunch would execute
+    env: dict[str, str] | None = None  # ... and the environment it adds
 
 
 def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra: list[str],
@@ -182,6 +118,7 @@ def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], di
     return lines, numbers
 
 
+DRY_RUN_PORT = 8000  # vLLM's default --port (entrypoints/launchers/cli_args.py, 0.32.0)
 PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
                   ("pp", ("--pipeline-parallel-size", "-pp")),
                   ("dp", ("--data-parallel-size", "-dp")))
@@ -247,9 +184,7 @@ def smoke_says_fp8(error: str | None, logged: str) -> bool:
         return True
     if not logged.strip():
         return False
-    from ..observe import doctor
-
-    root = doctor.classify(logged)
+    root = classify(logged)
     return root is not None and root.cause == "kv_cache_dtype_unsupported"
 
 
@@ -262,11 +197,7 @@ def explain_failure(runner: VllmRunner, outcome: Any, out: Callable[[str], None]
         for line in tail:
             out(f"  | {line[:400]}")
     with contextlib.suppress(Exception):  # a diagnosis is a bonus, never a second failure
-        from ..observe import doctor
-
-        report = doctor.scan_text(runner.log_text())
-        doctor.apply_log_fixes(report)
-        root = report.root
+        root = explain_log(runner.log_text())
         if root is not None:
             why = "; ".join(root.explain) or "see `vlaunch doctor` on the log"
             out(f"vlaunch: doctor: {root.cause} (phase {root.phase}): {why}")
@@ -304,6 +235,13 @@ def _refuse_busy_port(runner: VllmRunner) -> None:
             "left by an earlier run?); stop it or give a free --port")
 
 
+_NEXT = "next attempt"
+_GIVE_UP = "give up"
+Verdict = str | None
+"""What an attempt leaves to the loop: _NEXT (start again with the new pins and flags),
+_GIVE_UP (no further attempt helps), or None (the run is over; `result` says how)."""
+
+
 def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           max_attempts: int = 3, quiet: bool = False, verbose: bool = False,
           dry_run: bool = False, metrics_port: int | None = 9400,
@@ -315,164 +253,242 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           plan_hook: Callable[[Plan], Plan] | None = None) -> ServeResult:
     """Run the whole loop; returns when vLLM exits (or start-up finally failed, or a signal
     stopped it: exit code 128 + the signal, no restart, nothing learnt)."""
-    result = ServeResult(exit_code=1)
-    pins, extra, pin_notes = pins_from_extra(pins, list(extra))
-    for n in pin_notes:
-        out(f"vlaunch: {n}")
-    original = pins
-    exporter = None
-    say = (lambda s: None) if quiet else out  # noqa: E731
-    # One API port for every attempt, so the exporter (up from the start, showing
-    # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
-    user_port = arg_value(extra, "--port")
-    api_port = int(user_port) if user_port else (port or free_port())
-    transient_retried = False
-    run_id = new_run_id()
-    try:
-        for number in range(1, max_attempts + 1):
-            plan = make_plan(spec, hw, pins, **(goals or {}))
-            if plan_hook:
-                plan = plan_hook(plan)
-            d = plan.to_dict()
-            result.plan = d
-            if number == 1:
-                say(plan_text(d))
-            if not plan.fits:
-                out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
-                result.exit_code = 3
-                return result
-            args, notes = merge_args(serve_both_names(d["vllm_args"]), extra)
-            if "--port" not in args:
-                args += ["--port", str(api_port)]
-            args = with_drain(args, d.get("vllm_version"), stop_timeout)
-            for n in notes:
-                out(f"vlaunch: {n}")
-            env = dict(d["env"])
-            if d["kv_cache"].get("pinned"):
-                # A legacy VLLM_CPU_KVCACHE_SPACE in our environment would replace the pinned
-                # bytes.
-                os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            if dry_run:
-                runner = VllmRunner(args, env=env)
-                out(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " "
-                    + " ".join(shlex.quote(a) for a in runner.argv))
-                result.exit_code = 0
-                return result
-            deadline = startup_timeout or (STARTUP_SECONDS_BASE
-                                           + d["model"]["weights_bytes"]
-                                           / STARTUP_BYTES_PER_SECOND)
-            log_path = (log_dir or Path.cwd()) / f"vllm-{run_id}-attempt{number}.log"
-            started = time.monotonic()
-            phases: list[str] = []
+    loop = _ServeLoop(spec, hw, pins, list(extra), max_attempts=max_attempts, quiet=quiet,
+                      verbose=verbose, dry_run=dry_run, metrics_port=metrics_port,
+                      metrics_bind=metrics_bind, log_dir=log_dir, goals=goals or {},
+                      startup_timeout=startup_timeout, port=port, stop_timeout=stop_timeout,
+                      out=out, plan_hook=plan_hook)
+    return loop.run()
 
-            def on_phase(phase: str, started: float = started,
-                         phases: list[str] = phases) -> None:
-                phases.append(phase)
-                if not quiet:
-                    out(f"  [{time.monotonic() - started:6.1f}s] {phase}")
 
-            runner = VllmRunner(args, env=env, log_path=log_path, on_phase=on_phase,
-                                echo=prefixed_echo() if verbose else None,
-                                startup_timeout=deadline, grace_period=stop_timeout)
-            _refuse_busy_port(runner)
-            if metrics_port is not None and exporter is None:
-                exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out,
-                                           deadline)
-            elif exporter is not None:
-                exporter.plan = d
-                exporter.record_restart()
-            say(f"vlaunch: attempt {number}/{max_attempts}: starting vLLM (log: {log_path})")
-            with runner, runner.forward_signals():
-                try:
-                    runner.start()
-                except OSError as e:
-                    out(f"vlaunch: cannot run {shlex.join(runner.program)}: "
-                        f"{e.strerror or e}; is vLLM installed? ({VLLM_COMMAND_ENV} sets the "
-                        "command)")
-                    result.attempts.append(Attempt(number, args, "not started", str(e)))
-                    result.exit_code = 127
-                    return result
-                outcome = runner.wait_ready()
-                if runner.interrupted is not None:
-                    result.attempts.append(Attempt(number, args, "interrupted"))
-                    runner.stop()
-                    result.exit_code = _ended_by_signal(runner, out)
-                    return result
-                if not outcome.ready:
-                    failure = outcome.failure
-                    detail = (failure.message if failure
-                              else f"{outcome.reason} (rc {outcome.returncode})")
-                    result.attempts.append(Attempt(number, args, "failed", detail))
-                    out(f"vlaunch: attempt {number} failed: {detail}")
-                    explain_failure(runner, outcome, out)
-                    step = next_attempt(pins, plan, failure, extra, transient_retried)
-                    if step is None or number == max_attempts:
-                        break
-                    pins, extra, why, same_flags = step
-                    transient_retried = transient_retried or same_flags
-                    out(f"vlaunch: re-planning: {why}")
-                    continue
-                actual = runner.read_actual()
-                lines, numbers = verification_table(d, actual)
-                say("vlaunch: vLLM is ready; planned vs actual:")
-                for line in lines:
-                    say(line)
-                result.actual = {"numbers": numbers, **actual.to_dict()}
-                learnt = learn_measured_kv(d, actual.allocation)
-                if learnt:
-                    say(f"vlaunch: recorded vLLM's measured KV memory for the next plan "
-                        f"({learnt})")
-                mark = runner.bytes_seen
-                smoke = runner.smoke_test()
-                if runner.interrupted is not None:  # a signal is no evidence about fp8
-                    result.attempts.append(Attempt(number, args, "interrupted"))
-                    runner.stop()
-                    result.exit_code = _ended_by_signal(runner, out)
-                    return result
-                if not smoke.ok:
-                    kv = d["kv_cache"]["dtype"]
-                    result.attempts.append(Attempt(number, args, "smoke failed",
-                                                   smoke.error or ""))
-                    out(f"vlaunch: the smoke request failed: {smoke.error}")
-                    runner.settle()
-                    logged = runner.text_since(mark)
-                    said = smoke_says_fp8(smoke.error, logged)
-                    if kv.startswith("fp8") and said and number < max_attempts:
-                        key = lesson_key(hw, spec.attention, plan.vllm_version)
-                        path = record_lesson(key, False, f"fp8 KV allocated, then the first "
-                                             f"request failed ({(smoke.error or '')[:160]})")
-                        out(f"vlaunch: fp8 KV does not work here; recorded in {path}; "
-                            "restarting with --kv-cache-dtype auto")
-                        # A context shortened for fp8's capacity is re-planned for the new
-                        # dtype.
-                        pins = dataclasses.replace(pins, kv_cache_dtype="auto",
-                                                   max_model_len=original.max_model_len)
-                        extra = _drop_flag(extra, "--kv-cache-dtype")
-                        continue
-                    explain_failure(runner, SimpleNamespace(
-                        log_tail=logged.splitlines()[-40:]), out)
+@dataclass
+class _ServeLoop:
+    """One `serve` run: the attempts, and what carries from one to the next (the pins and flags
+    the next plan uses, the exporter, whether a transient failure was already retried)."""
+
+    spec: ModelSpec
+    hw: Hardware
+    pins: Pins
+    extra: list[str]
+    max_attempts: int
+    quiet: bool
+    verbose: bool
+    dry_run: bool
+    metrics_port: int | None
+    metrics_bind: str
+    log_dir: Path | None
+    goals: dict[str, Any]
+    startup_timeout: float | None
+    port: int | None
+    stop_timeout: float
+    out: Callable[[str], None]
+    plan_hook: Callable[[Plan], Plan] | None
+    result: ServeResult = field(default_factory=lambda: ServeResult(exit_code=1))
+    exporter: Any = None
+    transient_retried: bool = False
+    original: Pins | None = None  # as given: a context shortened for fp8 is re-planned from it
+    api_port: int = 0
+    user_port: bool = False
+    run_id: str = ""
+
+    def say(self, text: str) -> None:
+        """Progress, silenced by --quiet (unlike what went wrong, which `out` always shows)."""
+        if not self.quiet:
+            self.out(text)
+
+    def run(self) -> ServeResult:
+        self.pins, self.extra, pin_notes = pins_from_extra(self.pins, self.extra)
+        for n in pin_notes:
+            self.out(f"vlaunch: {n}")
+        self.original = self.pins
+        # One API port for every attempt, so the exporter (up from the start, showing
+        # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
+        user_port = arg_value(self.extra, "--port")
+        # A dry run shows vLLM's default port, not a random free one that the next run would
+        # not use either; a real run takes a free port unless one is given.
+        self.api_port = int(user_port) if user_port else (
+            self.port or (DRY_RUN_PORT if self.dry_run else free_port()))
+        self.user_port = bool(user_port or self.port)
+        self.run_id = new_run_id()
+        try:
+            for number in range(1, self.max_attempts + 1):
+                verdict = self._attempt(number)
+                if verdict is None:
+                    return self.result
+                if verdict == _GIVE_UP:
                     break
-                result.attempts.append(Attempt(number, args, "serving"))
-                say(f"vlaunch: smoke request answered in {smoke.seconds:.2f}s; serving on "
-                    f"{runner.base_url}")
-                if exporter is not None:
-                    _set_actual(exporter, actual)
-                status = runner.wait()
-                _output_notes(runner, out)
-                if runner.interrupted is not None:
-                    result.exit_code = _ended_by_signal(runner, out)
-                    return result
-                if runner.unexpected_exit:
-                    out(f"vlaunch: vLLM exited unexpectedly with status {status}")
-                result.exit_code = status if status is not None else 1
-                return result
-        out("vlaunch: could not start vLLM: " + "; ".join(
-            f"attempt {a.number}: {a.outcome} ({a.detail[:200]})" for a in result.attempts))
-        result.exit_code = result.exit_code if result.exit_code not in (0,) else 1
-        return result
-    finally:
-        if exporter:
-            exporter.stop()
+            self.out("vlaunch: could not start vLLM: " + "; ".join(
+                f"attempt {a.number}: {a.outcome} ({a.detail[:200]})"
+                for a in self.result.attempts))
+            if self.result.exit_code == 0:
+                self.result.exit_code = 1
+            return self.result
+        finally:
+            if self.exporter:
+                self.exporter.stop()
+
+    # --- one attempt -------------------------------------------------------------------------
+
+    def _attempt(self, number: int) -> Verdict:
+        plan = make_plan(self.spec, self.hw, self.pins, **self.goals)
+        if self.plan_hook:
+            plan = self.plan_hook(plan)
+        d = plan.to_dict()
+        self.result.plan = d
+        if number == 1:
+            # a dry run prints the one command it would run, labelled, instead of the plan's
+            text = plan_text(d)
+            self.say(text.split("\n  command:")[0] if self.dry_run and plan.fits else text)
+        if not plan.fits:
+            self.out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
+            self.result.exit_code = 3
+            return None
+        args = self._args(d)
+        env = dict(d["env"])
+        if d["kv_cache"].get("pinned"):
+            # A legacy VLLM_CPU_KVCACHE_SPACE in our environment would replace the pinned bytes.
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if self.dry_run:
+            runner = VllmRunner(args, env=env)
+            self.result.command, self.result.env = list(runner.argv), env
+            how = "--port" if self.user_port else "vLLM's default; a real run takes a free one"
+            for line in fit([f"  vlaunch would run (port {self.api_port}, {how}):"], width()):
+                self.out(line)
+            for line in command_lines(runner.argv, width(), indent="    ", env=env):
+                self.out(line)
+            self.result.exit_code = 0
+            return None
+        runner = self._runner(number, args, env, d)
+        self.say(f"vlaunch: attempt {number}/{self.max_attempts}: starting vLLM "
+                 f"(log: {runner.log_path})")
+        with runner, runner.forward_signals():
+            return self._supervise(number, runner, plan, d, args)
+
+    def _args(self, d: dict[str, Any]) -> list[str]:
+        """The plan's vLLM arguments with the user's on top, our port, and a drain on stop."""
+        args, notes = merge_args(serve_both_names(d["vllm_args"]), self.extra)
+        if "--port" not in args:
+            args += ["--port", str(self.api_port)]
+        args = with_drain(args, d.get("vllm_version"), self.stop_timeout)
+        for n in notes:
+            self.out(f"vlaunch: {n}")
+        return args
+
+    def _runner(self, number: int, args: list[str], env: dict[str, str],
+                d: dict[str, Any]) -> VllmRunner:
+        """This attempt's supervisor (its own log file, phases printed as they come), and the
+        exporter told about it."""
+        deadline = self.startup_timeout or startup_deadline_s(d)
+        log_path = (self.log_dir or Path.cwd()) / f"vllm-{self.run_id}-attempt{number}.log"
+        started = time.monotonic()
+
+        def on_phase(phase: str) -> None:
+            self.say(f"  [{time.monotonic() - started:6.1f}s] {phase}")
+
+        runner = VllmRunner(args, env=env, log_path=log_path, on_phase=on_phase,
+                            echo=prefixed_echo() if self.verbose else None,
+                            startup_timeout=deadline, grace_period=self.stop_timeout)
+        _refuse_busy_port(runner)
+        if self.metrics_port is not None and self.exporter is None:
+            self.exporter = _start_exporter(runner.base_url, d, self.metrics_port,
+                                            self.metrics_bind, self.out, deadline)
+        elif self.exporter is not None:
+            self.exporter.plan = d
+            self.exporter.record_restart()
+        return runner
+
+    def _supervise(self, number: int, runner: VllmRunner, plan: Plan, d: dict[str, Any],
+                   args: list[str]) -> Verdict:
+        """Start, wait until ready, check what vLLM allocated, one smoke request, serve."""
+        try:
+            runner.start()
+        except OSError as e:
+            self.out(f"vlaunch: cannot run {shlex.join(runner.program)}: {e.strerror or e}; "
+                     f"is vLLM installed? ({VLLM_COMMAND_ENV} sets the command)")
+            self.result.attempts.append(Attempt(number, args, "not started", str(e)))
+            self.result.exit_code = 127
+            return None
+        outcome = runner.wait_ready()
+        if runner.interrupted is not None:
+            return self._interrupted(number, runner, args)
+        if not outcome.ready:
+            return self._start_failed(number, runner, outcome, plan, args)
+        actual = runner.read_actual()
+        lines, numbers = verification_table(d, actual)
+        self.say("vlaunch: vLLM is ready; planned vs actual:")
+        for line in lines:
+            self.say(line)
+        self.result.actual = {"numbers": numbers, **actual.to_dict()}
+        learnt = learn_measured_kv(d, actual.allocation)
+        if learnt:
+            self.say(f"vlaunch: recorded vLLM's measured KV memory for the next plan ({learnt})")
+        mark = runner.bytes_seen
+        smoke = runner.smoke_test()
+        if runner.interrupted is not None:  # a signal is no evidence about fp8
+            return self._interrupted(number, runner, args)
+        if not smoke.ok:
+            return self._smoke_failed(number, runner, smoke, mark, plan, d, args)
+        self.result.attempts.append(Attempt(number, args, "serving"))
+        self.say(f"vlaunch: smoke request answered in {smoke.seconds:.2f}s; serving on "
+                 f"{runner.base_url}")
+        if self.exporter is not None:
+            _set_actual(self.exporter, actual)
+        status = runner.wait()
+        _output_notes(runner, self.out)
+        if runner.interrupted is not None:
+            self.result.exit_code = _ended_by_signal(runner, self.out)
+            return None
+        if runner.unexpected_exit:
+            self.out(f"vlaunch: vLLM exited unexpectedly with status {status}")
+        self.result.exit_code = status if status is not None else 1
+        return None
+
+    def _interrupted(self, number: int, runner: VllmRunner, args: list[str]) -> Verdict:
+        self.result.attempts.append(Attempt(number, args, "interrupted"))
+        runner.stop()
+        self.result.exit_code = _ended_by_signal(runner, self.out)
+        return None
+
+    def _start_failed(self, number: int, runner: VllmRunner, outcome: Any, plan: Plan,
+                      args: list[str]) -> Verdict:
+        """Say why, and re-plan from what the failed start measured (or give up)."""
+        failure = outcome.failure
+        detail = failure.message if failure else f"{outcome.reason} (rc {outcome.returncode})"
+        self.result.attempts.append(Attempt(number, args, "failed", detail))
+        self.out(f"vlaunch: attempt {number} failed: {detail}")
+        explain_failure(runner, outcome, self.out)
+        step = next_attempt(self.pins, plan, failure, self.extra, self.transient_retried)
+        if step is None or number == self.max_attempts:
+            return _GIVE_UP
+        self.pins, self.extra, why, same_flags = step
+        self.transient_retried = self.transient_retried or same_flags
+        self.out(f"vlaunch: re-planning: {why}")
+        return _NEXT
+
+    def _smoke_failed(self, number: int, runner: VllmRunner, smoke: Any, mark: int,
+                      plan: Plan, d: dict[str, Any], args: list[str]) -> Verdict:
+        """A first request that fails on fp8 KV is a lesson and a restart with auto KV; any
+        other failure is explained and ends the run."""
+        kv = d["kv_cache"]["dtype"]
+        self.result.attempts.append(Attempt(number, args, "smoke failed", smoke.error or ""))
+        self.out(f"vlaunch: the smoke request failed: {smoke.error}")
+        runner.settle()
+        logged = runner.text_since(mark)
+        said = smoke_says_fp8(smoke.error, logged)
+        if kv.startswith("fp8") and said and number < self.max_attempts:
+            key = lesson_key(self.hw, self.spec.attention, plan.vllm_version)
+            path = record_lesson(key, False, f"fp8 KV allocated, then the first request failed "
+                                 f"({(smoke.error or '')[:160]})")
+            self.out(f"vlaunch: fp8 KV does not work here; recorded in {path}; restarting with "
+                     "--kv-cache-dtype auto")
+            # A context shortened for fp8's capacity is re-planned for the new dtype.
+            given = self.original or self.pins
+            self.pins = dataclasses.replace(self.pins, kv_cache_dtype="auto",
+                                            max_model_len=given.max_model_len)
+            self.extra = _drop_flag(self.extra, "--kv-cache-dtype")
+            return _NEXT
+        explain_failure(runner, SimpleNamespace(log_tail=logged.splitlines()[-40:]), self.out)
+        return _GIVE_UP
 
 
 def _run_pre_command(pre: list[str], out: Callable[[str], None]) -> int:
@@ -546,10 +562,15 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
                          stop_timeout=stop_timeout, startup_timeout=startup_timeout,
                          verbose=verbose, on_phase=lambda phase: out(f"  {launch.role}: {phase}"))
     if dry_run:
+        cols = width()
         for pre in launch.pre_commands:
-            out(shlex.join(pre))
-        out(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items())) + " "
-            + shlex.join(runner.argv))
+            out(f"  {launch.role} {launch.node_rank}, first:")
+            for line in command_lines(pre, cols, indent="    "):
+                out(line)
+        out(f"  {launch.role} {launch.node_rank} would run:")
+        for line in command_lines(runner.argv, cols, indent="    ",
+                                  env=dict(sorted(launch.env.items()))):
+            out(line)
         return 0
     if launch.serves_api:
         _refuse_busy_port(runner)
@@ -632,7 +653,8 @@ def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,
     (a user's longer --startup-timeout must not end it early and fire VlaunchEngineDown)."""
     from ..observe.exporter import Exporter
 
-    exp = Exporter(vllm_url=base_url, plan=plan, startup_timeout_s=startup_timeout)
+    exp = Exporter(vllm_url=base_url, plan=plan,
+                   startup_timeout_s=startup_timeout or startup_deadline_s)
     try:
         bound = exp.start(port=port, bind=bind)
     except Exception as e:  # a busy port must not take the engine down

@@ -97,12 +97,29 @@ def update_json_object(path: Path, change: Callable[[dict[str, Any]], None]) -> 
         return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux says it (/proc/self/status);
+    elsewhere set-and-restore (os.umask has no read-only form)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def atomic_write(path: str | os.PathLike[str], text: str, mode: int | None = None) -> Path:
     """Write `text` to `path` so that readers see the old file or the new one, never a mix.
 
     The temp file lives in the same folder because `os.replace` is only atomic within one
     filesystem. It is fsynced before the rename so a node crash cannot leave an empty file
-    under the final name.
+    under the final name. The file gets the permissions `open()` would give a new file (0666
+    less the umask), not mkstemp's 0600 nor a fixed 0644: a user who set `umask 077` keeps
+    plans and caches private. `mode`, when given, is masked by the umask too.
     """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -110,7 +127,7 @@ def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> 
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
-            os.fchmod(f.fileno(), mode)
+            os.fchmod(f.fileno(), (0o666 if mode is None else mode) & ~current_umask())
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:

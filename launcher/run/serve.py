@@ -39,6 +39,7 @@ from ..inputs.model import ModelSpec
 from ..predict.budget import GiB
 from ..predict.capabilities import lesson_key, record_lesson
 from ..predict.planner import Pins, Plan, make_plan
+from ..redact import command_line_warning, redact_args, redact_env
 from ..render import plan_text
 from . import vllmlog
 from .runner import (
@@ -319,6 +320,8 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
     pins, extra, pin_notes = pins_from_extra(pins, list(extra))
     for n in pin_notes:
         out(f"vlaunch: {n}")
+    if warning := command_line_warning(extra):
+        out(f"vlaunch: {warning}")
     original = pins
     exporter = None
     say = (lambda s: None) if quiet else out  # noqa: E731
@@ -354,8 +357,8 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
                 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             if dry_run:
                 runner = VllmRunner(args, env=env)
-                out(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " "
-                    + " ".join(shlex.quote(a) for a in runner.argv))
+                out(" ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(env).items()) + " "
+                    + " ".join(shlex.quote(a) for a in redact_args(runner.argv)))
                 result.exit_code = 0
                 return result
             deadline = startup_timeout or (STARTUP_SECONDS_BASE
@@ -545,11 +548,13 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
     runner = node_runner(launch, d, port=port, extra=list(extra or []), log_path=log_path,
                          stop_timeout=stop_timeout, startup_timeout=startup_timeout,
                          verbose=verbose, on_phase=lambda phase: out(f"  {launch.role}: {phase}"))
+    if warning := command_line_warning(runner.argv):
+        out(f"vlaunch: {warning}")
     if dry_run:
         for pre in launch.pre_commands:
-            out(shlex.join(pre))
-        out(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items())) + " "
-            + shlex.join(runner.argv))
+            out(shlex.join(redact_args(pre)))
+        out(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(redact_env(launch.env).items()))
+            + " " + shlex.join(redact_args(runner.argv)))
         return 0
     if launch.serves_api:
         _refuse_busy_port(runner)

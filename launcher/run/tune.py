@@ -56,6 +56,7 @@ from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins, make_plan
 from ..predict.speculative import measured_acceptance, record_acceptance
+from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
 from .emit import atomic_write, emit_plan
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
 from .runner import VllmRunner, arg_value
@@ -129,14 +130,21 @@ def parse_budget(text: str | float | int) -> float:
 def parse_candidate(text: str) -> list[str]:
     """One `--candidate`: vLLM flags measured on top of the defaults baseline, e.g.
     "--max-num-seqs 16" (a user's own idea, measured like the planner's)."""
+    shown = redact_text(text)  # an error message must not echo a key either
     try:
         args = shlex.split(text)
     except ValueError as e:
-        raise InputError(f"malformed --candidate {text!r}: {e}") from None
+        raise InputError(f"malformed --candidate {shown!r}: {e}") from None
     if not args or not args[0].startswith("--"):
-        raise InputError(f"--candidate {text!r}: give vLLM flags, e.g. \"--max-num-seqs 16\"")
+        raise InputError(f"--candidate {shown!r}: give vLLM flags, e.g. \"--max-num-seqs 16\"")
     if arg_value(args, "--model") or arg_value(args, "--port"):
         raise InputError("--candidate must not set --model or --port (tune sets them)")
+    if flags := secret_flags(args):
+        # A secret is no tuning knob, and a candidate's flags are printed and saved in
+        # tune.json and plan.json: refused before anything can echo or record it.
+        env = " / ".join(SECRET_FLAGS[f] for f in flags)
+        raise InputError(f"--candidate must not carry {' or '.join(flags)} (it would be saved "
+                         f"in tune.json and plan.json); set {env} in the environment instead")
     return args
 
 
@@ -869,7 +877,7 @@ class Tuner:
         self.save()
         self.progress.line(f"start {n}/{self.opts.max_starts} (rung {rung}): {t.name}")
         if self.opts.verbose:
-            self.progress.line("  vllm " + shlex.join(t.vllm_args))
+            self.progress.line("  vllm " + shlex.join(redact_args(t.vllm_args)))
         env: dict[str, str | None] = dict(t.env)
         if arg_value(t.vllm_args, "--kv-cache-memory-bytes"):
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would replace the pinned bytes
@@ -1165,7 +1173,7 @@ class Tuner:
         self.out(f"  why: {rec['why']}")
         self.out(f"  {self.dir / TUNE_FILE}; run it: vlaunch exec --plan "
                  f"{self.dir / 'plan.json'}" + (
-                     " -- " + shlex.join(plan["tuned"]["extra_args"])
+                     " -- " + shlex.join(redact_args(plan["tuned"]["extra_args"]))
                      if plan["tuned"].get("extra_args") else ""))
         if self.opts.plot:
             self._plot()

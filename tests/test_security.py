@@ -1,0 +1,231 @@
+"""Issue 23: secrets never printed or replayed, every input bounded, a tampered plan refused.
+
+Each test plays the attacker or the careless operator the review found, on loopback only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import stat
+import string
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from launcher import paths
+from launcher.cli import cli
+from launcher.errors import InputError
+from launcher.redact import REDACTED, SECRET_FLAGS, command_line_warning, redact_args, redact_env
+from launcher.run import multinode
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+
+
+def _secret(rng: random.Random) -> str:
+    """A key as users make them (never starting with '-', which vLLM would read as a flag)."""
+    alphabet = string.ascii_letters + string.digits + "-_.:/+="
+    return rng.choice(string.ascii_letters) + "".join(rng.choice(alphabet) for _ in range(30))
+
+
+# ---- one redaction function ------------------------------------------------------------------
+
+
+def _secret_argv(rng: random.Random) -> tuple[list[str], list[str], list[str]]:
+    """(argv, the secrets in it, the other words in order) in every form vLLM's parser takes."""
+    argv: list[str] = []
+    hidden: list[str] = []
+    kept: list[str] = []
+    for _ in range(rng.randint(1, 6)):
+        form = rng.choice(["plain", "key", "keys", "eq", "underscore", "token", "bare-token"])
+        if form == "plain":
+            words = rng.choice([["--max-num-seqs", str(rng.randint(1, 512))], ["--enforce-eager"],
+                                ["--port", "8000"], ["--max-model-len", "4096"]])
+            argv += words
+            kept += words
+            continue
+        s = [_secret(rng) for _ in range(3 if form == "keys" else 1)]
+        if form in ("key", "keys"):
+            argv += ["--api-key", *s]
+        elif form == "eq":
+            argv.append(f"--{rng.choice(['api-key', 'hf-token'])}={s[0]}")
+        elif form == "underscore":
+            argv += ["--api_key", s[0]]
+        elif form == "token":
+            argv += ["--hf-token", s[0]]
+        else:  # a bare --hf-token (the cached login) takes no value: the next flag stays
+            argv += ["--hf-token", "--enforce-eager"]
+            kept.append("--enforce-eager")
+            continue
+        hidden += s
+    return argv, hidden, kept
+
+
+def test_redact_args_hides_every_secret_and_keeps_everything_else():
+    rng = random.Random(23)
+    for _ in range(500):
+        argv, hidden, kept = _secret_argv(rng)
+        out = redact_args(argv)
+        assert len(out) == len(argv)
+        text = " ".join(out)
+        for s in hidden:
+            assert s not in text, (argv, out)
+        assert [a for a in out if a in kept] == [a for a in argv if a in kept]
+        assert out.count(REDACTED) + sum(a.endswith("=" + REDACTED) for a in out) == len(hidden)
+
+
+def test_redact_env_hides_secret_names_only():
+    env = {"VLLM_API_KEY": "k1", "HF_TOKEN": "t1", "HUGGING_FACE_HUB_TOKEN": "t2",
+           "AWS_SECRET_ACCESS_KEY": "a", "VLLM_ENGINE_READY_TIMEOUT_S": "600",
+           "VLLM_CACHE_ROOT": "/models/c", "EMPTY_TOKEN": ""}
+    out = redact_env(env)
+    assert {k for k, v in out.items() if v == REDACTED} == {
+        "VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_SECRET_ACCESS_KEY"}
+    assert out["VLLM_ENGINE_READY_TIMEOUT_S"] == "600" and out["EMPTY_TOKEN"] == ""
+
+
+def test_secret_on_the_command_line_is_warned_about_with_the_env_name():
+    for flag, env in SECRET_FLAGS.items():
+        warning = command_line_warning(["--max-num-seqs", "4", flag, "x"])
+        assert warning and "ps" in warning and env in warning
+    assert command_line_warning(["--max-num-seqs", "4"]) is None
+
+
+# ---- everywhere vlaunch prints or writes a command -------------------------------------------
+
+
+def _emit(tmp_path: Path) -> Path:
+    out = tmp_path / "emitted"
+    r = CliRunner().invoke(cli, ["plan", "llama-3.1-8b", "--gpus", "1xH100", "--vllm-version",
+                                 "0.32.0", "--emit", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.mark.parametrize("form", [["--api-key", "{k}"], ["--api-key={k}"],
+                                  ["--api-key", "{k}", "{k2}"], ["--hf-token", "{k}"]])
+def test_serve_and_exec_dry_runs_never_print_a_secret(tmp_path, monkeypatch, form):
+    key, key2 = "sk-" + secrets.token_hex(12), "sk-" + secrets.token_hex(12)
+    extra = [w.format(k=key, k2=key2) for w in form]
+    monkeypatch.setenv("HF_TOKEN", "hf_" + secrets.token_hex(8))
+    folder = _emit(tmp_path)
+    runs = {
+        "serve": ["serve", "llama-3.1-8b", "--gpus", "1xH100", "--dry-run", "--no-metrics",
+                  "--", *extra],
+        "exec": ["exec", "--plan", str(folder), "--dry-run", "--no-metrics", "--", *extra],
+    }
+    for name, argv in runs.items():
+        r = CliRunner().invoke(cli, argv)
+        assert r.exit_code == 0, (name, r.output)
+        assert key not in r.output and key2 not in r.output, (name, r.output)
+        assert os.environ["HF_TOKEN"] not in r.output
+        assert REDACTED in r.output, name
+        assert "visible to every local user" in r.output, name  # and steered to the env
+
+
+def test_multinode_exec_dry_run_never_prints_a_secret(tmp_path, monkeypatch):
+    from launcher.run.serve import run_node
+
+    key = "sk-" + secrets.token_hex(12)
+    plan = {"gpus": {"name": "H100", "nodes": 2, "gpus_per_node": 8},
+            "parallel": {"tp": 16, "pp": 1, "dp": 1, "expert_parallel": False, "nodes": 2},
+            "vllm_args": ["--model", "m", "--tensor-parallel-size", "16"],
+            "env": {"VLLM_ENGINE_READY_TIMEOUT_S": "600"}, "model": {"weights_bytes": 1}}
+    launch = multinode.build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
+    lines: list[str] = []
+    rc = run_node(launch, plan, port=None, metrics_port=None, metrics_bind="127.0.0.1",
+                  log_dir=tmp_path, dry_run=True, verbose=False, startup_timeout=5,
+                  extra=["--api-key", key], out=lines.append)
+    assert rc == 0 and key not in "\n".join(lines) and REDACTED in lines[-1]
+
+
+def test_tune_refuses_a_secret_in_a_candidate_before_recording_it(tmp_path):
+    key = "sk-" + secrets.token_hex(12)
+    for cand in (f"--api-key {key}", f"--max-num-seqs 8 --hf-token={key}",
+                 f"--api-key '{key}"):  # malformed quoting: the error must not echo it either
+        r = CliRunner().invoke(cli, ["tune", "llama-3.1-8b", "--gpus", "1xH100",
+                                     "--candidate", cand, "--output", str(tmp_path / "t")])
+        assert r.exit_code == 2, r.output
+        assert key not in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
+    assert not list(tmp_path.glob("t/*.json"))
+
+
+# ---- a tampered multi-node plan -----------------------------------------------------------
+
+
+def _mn_plan(**more) -> dict:
+    plan = {"gpus": {"name": "H100", "nodes": 2, "gpus_per_node": 8},
+            "parallel": {"tp": 16, "pp": 1, "dp": 1, "expert_parallel": False, "nodes": 2},
+            "vllm_args": ["--model", "deepseek-ai/DeepSeek-R1", "--tensor-parallel-size", "16",
+                          "--max-model-len", "32768", "--enable-chunked-prefill"],
+            "env": {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}}
+    plan.update(more)
+    return plan
+
+
+@pytest.mark.parametrize("env", [{"LD_PRELOAD": "/tmp/evil.so"}, {"PYTHONPATH": "/tmp"},
+                                 {"VLLM_PLUGINS": "evil"}, {"HF_ENDPOINT": "http://evil"},
+                                 {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+                                 {"VLLM_ENGINE_READY_TIMEOUT_S": ["x"]}])
+def test_multinode_refuses_env_the_planner_never_writes(env):
+    plan = _mn_plan()
+    plan["env"] = {**plan["env"], **env}
+    with pytest.raises(InputError, match="never writes"):
+        multinode.build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
+
+
+@pytest.mark.parametrize("extra", [["--trust-remote-code"], ["--trust-remote-code=True"],
+                                   ["--chat-template"], ["some-positional"],
+                                   ["--max-num-seqs", "--trust-remote-code"],
+                                   ["--enforce-eager=--x"], ["--allowed-local-media-path", "/"]])
+def test_multinode_refuses_args_the_planner_never_writes(extra):
+    plan = _mn_plan()
+    plan["vllm_args"] = plan["vllm_args"] + extra
+    with pytest.raises(InputError, match="never writes"):
+        multinode.build_launch(plan, environ={}, role="worker", leader_address="127.0.0.1")
+
+
+def test_every_plan_the_planner_makes_passes_the_multinode_allowlist():
+    """The allowlist is not narrower than the planner: every profile on several machines."""
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.planner import Pins, make_plan
+
+    models = sorted(p.stem for p in (REPO / "profiles" / "models").glob("*.yaml"))
+    checked = 0
+    for model in models:
+        for gpus in ("1xH100", "8xH200", "2x8xH100", "cpu"):
+            try:
+                d = make_plan(load_model(model), parse_gpus(gpus), Pins()).to_dict()
+            except InputError:
+                continue
+            multinode.check_plan_flags(d["vllm_args"])
+            multinode.check_plan_env(d["env"])
+            checked += 1
+    assert checked >= len(models)
+
+
+# ---- atomic_write respects the umask -----------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o077, 0o027, 0o022, 0o002])
+def test_atomic_write_gives_new_files_what_the_umask_allows(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        target = paths.atomic_write(tmp_path / "plan.json", "{}\n")
+        reference = tmp_path / "reference"
+        reference.write_text("x")  # what open() makes under this umask
+        assert stat.S_IMODE(target.stat().st_mode) == stat.S_IMODE(reference.stat().st_mode)
+        assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+        assert paths.current_umask() == umask
+    finally:
+        os.umask(old)

@@ -5,11 +5,13 @@ Each test plays the attacker or the careless operator the review found, on loopb
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import secrets
 import stat
 import string
+import time
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,83 @@ def test_atomic_write_gives_new_files_what_the_umask_allows(tmp_path, umask):
         assert paths.current_umask() == umask
     finally:
         os.umask(old)
+
+
+# ---- bounds: --gpus, config.json ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus", ["125000000x8xH100", "1000x1000000xH100", "1000000000xH100",
+                                  "1x16xH100", "9" * 5000 + "xH100", "2x" + "9" * 5000 + "xH100",
+                                  "4x" + "9" * 400 + "GiB", "100000x1x24GiB", "1x65x24GiB"])
+def test_gpus_beyond_what_a_node_or_a_cluster_holds_is_one_line_at_once(gpus):
+    from launcher.inputs import hardware
+
+    started = time.monotonic()
+    r = CliRunner().invoke(cli, ["plan", "llama-3.1-8b", "--gpus", gpus])
+    assert r.exit_code == 2, r.output
+    assert len(r.output.strip().splitlines()) == 1 and len(r.output) < 400, r.output
+    assert time.monotonic() - started < 10  # minutes before the caps (a generous bound)
+    with pytest.raises(InputError):
+        hardware.parse_gpus(gpus)
+
+
+def test_gpu_caps_leave_every_catalog_node_and_the_largest_cluster_plannable():
+    from launcher.inputs import hardware
+
+    for kind in hardware.kinds():
+        hw = hardware.parse_gpus(f"2x{kind.max_per_node}x{kind.name}")
+        assert hw.gpus_per_node == kind.max_per_node
+    biggest = hardware.MAX_CLUSTER_GPUS // 8
+    assert hardware.parse_gpus(f"{biggest}x8xH100").count == hardware.MAX_CLUSTER_GPUS
+    assert hardware.parse_gpus("1x16x24GiB").gpus_per_node == 16
+
+
+def test_divisors_are_all_the_divisors():
+    from launcher.predict.planner import _divisors
+
+    rng = random.Random(7)
+    for n in [1, 2, 16, 36, 97, 65536, *(rng.randint(1, 5000) for _ in range(200))]:
+        assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    big = 2**20 * 3**5  # answers in O(sqrt n): the linear scan took seconds here
+    assert _divisors(big)[-1] == big and len(_divisors(big)) == 21 * 6
+
+
+def _numeric_leaves(obj, path=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numeric_leaves(v, (*path, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _numeric_leaves(v, (*path, i))
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield path
+
+
+def test_a_config_with_a_non_finite_number_is_one_line_exit_2(tmp_path):
+    """Any number of a real config replaced by NaN, Infinity or a literal that overflows to
+    infinity: one line and exit 2, never a traceback."""
+    from launcher.paths import read_yaml
+
+    cfg = read_yaml(REPO / "profiles" / "models" / "deepseek-v2-lite.yaml")["config"]
+    leaves = list(_numeric_leaves(cfg))
+    assert len(leaves) > 10
+    rng = random.Random(23)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for path in rng.sample(leaves, 12):
+        for literal in ("Infinity", "-Infinity", "NaN", "1e999", "9" * 400):
+            doc = json.loads(json.dumps(cfg))
+            part = doc
+            for k in path[:-1]:
+                part = part[k]
+            part[path[-1]] = "@@X@@"
+            (folder / "config.json").write_text(json.dumps(doc).replace('"@@X@@"', literal))
+            r = CliRunner().invoke(cli, ["plan", str(folder), "--gpus", "1xH100"])
+            assert r.exit_code == 2, (path, literal, r.output)
+            assert len(r.output.strip().splitlines()) == 1, (path, literal, r.output)
+    # a rope_scaling factor, the review's example
+    doc = json.loads(json.dumps(cfg))
+    doc.setdefault("rope_scaling", {})["factor"] = "@@X@@"
+    (folder / "config.json").write_text(json.dumps(doc).replace('"@@X@@"', "Infinity"))
+    r = CliRunner().invoke(cli, ["plan", str(folder), "--gpus", "1xH100"])
+    assert r.exit_code == 2 and "finite" in r.output, r.output

@@ -362,6 +362,8 @@ def test_server_listens_on_the_ports_the_probes_and_monitors_use(overlay):
             assert int(args[args.index("--port") + 1]) in ports, where
             assert int(args[args.index("--metrics-port") + 1]) in ports, where
             assert args[args.index("--metrics-bind") + 1] == "0.0.0.0", where
+            # vlaunch binds vLLM to loopback unless told: the probes come in on the pod IP
+            assert args[args.index("--host") + 1] == "0.0.0.0", where
 
 
 # ---- timing: start-up budget and drain (issue 13 items 8 and 19) ----------------------------

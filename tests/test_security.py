@@ -311,3 +311,45 @@ def test_a_config_with_a_non_finite_number_is_one_line_exit_2(tmp_path):
     (folder / "config.json").write_text(json.dumps(doc).replace('"@@X@@"', "Infinity"))
     r = CliRunner().invoke(cli, ["plan", str(folder), "--gpus", "1xH100"])
     assert r.exit_code == 2 and "finite" in r.output, r.output
+
+
+# ---- exposure: vLLM on loopback unless told ----------------------------------------------------
+
+
+def _dry(argv: list[str], env: dict[str, str] | None = None) -> tuple[list[str], str]:
+    r = CliRunner().invoke(cli, argv, env=env)
+    assert r.exit_code == 0, r.output
+    command = [line for line in r.output.splitlines() if " --model " in line][-1]
+    return command.split(), r.output
+
+
+def _host_of(words: list[str]) -> str | None:
+    hosts = [words[i + 1] for i, w in enumerate(words) if w == "--host"]
+    assert len(hosts) <= 1, words  # never two --host flags for vLLM to pick from
+    return hosts[0] if hosts else None
+
+
+def test_serve_and_exec_bind_loopback_unless_a_host_is_given(tmp_path):
+    folder = _emit(tmp_path)
+    bases = [["serve", "llama-3.1-8b", "--gpus", "1xH100"], ["exec", "--plan", str(folder)]]
+    for base in bases:
+        common = [*base, "--dry-run", "--no-metrics", "-q"]
+        words, text = _dry(common)
+        assert _host_of(words) == "127.0.0.1" and "no API key" not in text, base
+        for given in (["--host", "0.0.0.0"], ["--", "--host", "0.0.0.0"],
+                      ["--host", "10.1.2.3"]):
+            argv = [*common, *given]
+            words, text = _dry(argv, env={"VLLM_API_KEY": ""})
+            assert _host_of(words) == given[-1], (base, given)
+            assert "no API key" in text and "VLLM_API_KEY" in text, (base, given, text)
+            words, text = _dry(argv, env={"VLLM_API_KEY": secrets.token_hex(8)})
+            assert "no API key" not in text, (base, given)
+
+
+def test_tune_trials_listen_on_loopback():
+    from launcher.run.tune import _default_runner
+
+    runner = _default_runner(["--model", "m", "--port", "1"], {})
+    assert runner.vllm_args[runner.vllm_args.index("--host") + 1] == "127.0.0.1"
+    mine = _default_runner(["--model", "m", "--port", "1", "--host", "::1"], {})
+    assert _host_of(mine.vllm_args) == "::1"

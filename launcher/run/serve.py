@@ -42,6 +42,7 @@ from ..predict.planner import Pins, Plan, make_plan
 from ..redact import command_line_warning, redact_args, redact_env
 from ..render import plan_text
 from . import vllmlog
+from .exposure import exposure_warning, with_host
 from .runner import (
     DEFAULT_STOP_TIMEOUT_S,
     VLLM_COMMAND_ENV,
@@ -313,7 +314,8 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           startup_timeout: float | None = None, port: int | None = None,
           stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
           out: Callable[[str], None] = print,
-          plan_hook: Callable[[Plan], Plan] | None = None) -> ServeResult:
+          plan_hook: Callable[[Plan], Plan] | None = None,
+          host: str | None = None) -> ServeResult:
     """Run the whole loop; returns when vLLM exits (or start-up finally failed, or a signal
     stopped it: exit code 128 + the signal, no restart, nothing learnt)."""
     result = ServeResult(exit_code=1)
@@ -347,6 +349,9 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
             args, notes = merge_args(serve_both_names(d["vllm_args"]), extra)
             if "--port" not in args:
                 args += ["--port", str(api_port)]
+            args = with_host(args, host)  # loopback unless the user chose a host
+            if number == 1 and (warning := exposure_warning(args, d["env"])):
+                out(f"vlaunch: {warning}")
             args = with_drain(args, d.get("vllm_version"), stop_timeout)
             for n in notes:
                 out(f"vlaunch: {n}")
@@ -503,7 +508,8 @@ def _run_pre_command(pre: list[str], out: Callable[[str], None]) -> int:
 
 def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list[str],
                 log_path: Path | None, stop_timeout: float, startup_timeout: float | None,
-                verbose: bool, on_phase: Callable[[str], None] | None = None) -> VllmRunner:
+                verbose: bool, on_phase: Callable[[str], None] | None = None,
+                host: str | None = None) -> VllmRunner:
     """The runner for one node: `vllm serve ...` with the plan's arguments, or the node's
     own program (a Ray worker's `ray start --block`) run verbatim."""
     from .multinode import VLLM_PROGRAM
@@ -525,6 +531,7 @@ def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list
     if launch.serves_api:
         if port and "--port" not in args:
             args += ["--port", str(port)]
+        args = with_host(args, host)  # loopback unless the user chose a host
         args = with_drain(args, d.get("vllm_version"), stop_timeout)
     deadline = startup_timeout or (STARTUP_SECONDS_BASE
                                    + d["model"]["weights_bytes"] / STARTUP_BYTES_PER_SECOND)
@@ -537,7 +544,8 @@ def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list
 def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: int | None,
              metrics_bind: str, log_dir: Path, dry_run: bool, verbose: bool,
              startup_timeout: float | None, stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
-             extra: list[str] | None = None, out: Callable[[str], None] = print) -> int:
+             extra: list[str] | None = None, out: Callable[[str], None] = print,
+             host: str | None = None) -> int:
     """One node of a multi-node plan (`launcher.run.multinode.NodeLaunch`), supervised.
 
     The leader is watched like `serve` (ready, planned vs actual, exporter); a headless worker
@@ -547,7 +555,10 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
     log_path = log_dir / f"vllm-{new_run_id()}-{launch.role}{launch.node_rank}.log"
     runner = node_runner(launch, d, port=port, extra=list(extra or []), log_path=log_path,
                          stop_timeout=stop_timeout, startup_timeout=startup_timeout,
-                         verbose=verbose, on_phase=lambda phase: out(f"  {launch.role}: {phase}"))
+                         verbose=verbose, on_phase=lambda phase: out(f"  {launch.role}: {phase}"),
+                         host=host)
+    if launch.serves_api and (warning := exposure_warning(runner.vllm_args, launch.env)):
+        out(f"vlaunch: {warning}")
     if warning := command_line_warning(runner.argv):
         out(f"vlaunch: {warning}")
     if dry_run:

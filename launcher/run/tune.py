@@ -58,6 +58,7 @@ from ..predict.planner import Pins, make_plan
 from ..predict.speculative import measured_acceptance, record_acceptance
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
 from .emit import atomic_write, emit_plan
+from .exposure import exposure_warning, with_host
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
 from .runner import VllmRunner, arg_value
 from .serve import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, merge_args
@@ -646,7 +647,9 @@ LoadgenFactory = Callable[[Path], Any]
 
 
 def _default_runner(args: list[str], env: dict[str, str | None], **kw: Any) -> VllmRunner:
-    return VllmRunner(args, env=env, **kw)
+    # Trials are measured from this machine: vLLM listens on loopback only (a candidate's own
+    # --host wins, and is warned about by the caller when it reaches beyond this machine).
+    return VllmRunner(with_host(args), env=env, **kw)
 
 
 def _default_loadgen(log_path: Path) -> LoadGenerator:
@@ -878,6 +881,9 @@ class Tuner:
         self.progress.line(f"start {n}/{self.opts.max_starts} (rung {rung}): {t.name}")
         if self.opts.verbose:
             self.progress.line("  vllm " + shlex.join(redact_args(t.vllm_args)))
+        if arg_value(t.vllm_args, "--host") and (warning := exposure_warning(t.vllm_args,
+                                                                              t.env)):
+            self.progress.line(f"  {warning}")
         env: dict[str, str | None] = dict(t.env)
         if arg_value(t.vllm_args, "--kv-cache-memory-bytes"):
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would replace the pinned bytes

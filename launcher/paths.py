@@ -135,3 +135,24 @@ def atomic_write(path: str | os.PathLike[str], text: str, mode: int | None = Non
             os.unlink(tmp)
         raise
     return target
+
+
+def create_private(path: str | os.PathLike[str], *, tries: int = 1000) -> tuple[Any, Path]:
+    """A new file only this user can read (0600), opened for appending bytes, unbuffered.
+
+    O_EXCL | O_NOFOLLOW: a name that already exists, or a symlink planted under it (log names
+    such as tune's `vllm-trial3.log` are predictable, and a log dir may be shared), is never
+    opened or followed; the next free name `STEM-2.SUFFIX`, `STEM-3.SUFFIX`, ... is taken
+    instead. Returns (file, the path actually created).
+    """
+    target = Path(path)
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
+             | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    for n in range(1, tries + 1):
+        candidate = target if n == 1 else target.with_name(f"{target.stem}-{n}{target.suffix}")
+        try:
+            fd = os.open(candidate, flags, 0o600)
+        except FileExistsError:
+            continue
+        return os.fdopen(fd, "ab", buffering=0), candidate
+    raise FileExistsError(f"{target} and {tries - 1} alternatives exist; clean up {target.parent}")

@@ -62,10 +62,11 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
                  cache_ttl: float) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from .observe import exporter
-    from .run.emit import load_plan
+    from .run.emit import load_plan, startup_deadline_s
 
     plan = load_plan(plan_path) if plan_path else None
-    exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl)
+    exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl,
+                            startup_timeout_s=startup_deadline_s if plan else None)
     exporter.run_forever(exp, port, bind, click.echo)
 
 
@@ -407,7 +408,7 @@ _SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "po
 
 
 def _stop_timeout(opts: dict) -> float:
-    from .run.runner import DEFAULT_STOP_TIMEOUT_S
+    from .run.drain import DEFAULT_STOP_TIMEOUT_S
 
     value = opts["stop_timeout"]
     return float(DEFAULT_STOP_TIMEOUT_S if value is None else value)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.run.runner import vllm_command
+from launcher.run.vllmargs import vllm_command
 
 pytestmark = pytest.mark.engine
 

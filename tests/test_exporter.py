@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.errors import InputError
 from launcher.observe import exporter as ex
+from launcher.observe import scrapeclient, vllmpage
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-deepseek-v3"
@@ -640,8 +641,8 @@ def test_loopback_bypasses_the_proxy(fake, monkeypatch):
     s = scrape(ex.Exporter(fake.url, plan=PLAN, gpu_reader=None))
     assert value(s, "vlaunch_engine_up") == 1
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.53"):
-        assert ex._proxy_for("http", host) is None, host
-    assert ex._proxy_for("http", "vllm.remote.test").port == 9
+        assert scrapeclient._proxy_for("http", host) is None, host
+    assert scrapeclient._proxy_for("http", "vllm.remote.test").port == 9
 
 
 def test_remote_vllm_goes_through_the_proxy(fake, monkeypatch):
@@ -688,15 +689,16 @@ def test_starting_ends_at_the_startup_deadline():
 
 
 def test_startup_window_is_one_attempt_of_the_plan():
-    from launcher.run import serve
+    from launcher.run import emit
 
     big = {**PLAN, "model": {**PLAN["model"], "weights_bytes": 673_150_611_808}}
-    exp = ex.Exporter("http://127.0.0.1:1", plan=big, gpu_reader=None)
-    want = serve.STARTUP_SECONDS_BASE + 673_150_611_808 / serve.STARTUP_BYTES_PER_SECOND
+    exp = ex.Exporter("http://127.0.0.1:1", plan=big, gpu_reader=None,
+                      startup_timeout_s=emit.startup_deadline_s)
+    want = emit.STARTUP_SECONDS_BASE + 673_150_611_808 / emit.STARTUP_BYTES_PER_SECOND
     assert exp._startup_window() == pytest.approx(want)  # ~3,510 s for DeepSeek-V3
     exp.plan = PLAN  # serve swaps the plan on a re-plan: the window follows it
     assert exp._startup_window() == pytest.approx(
-        serve.STARTUP_SECONDS_BASE + 60_000_000 / serve.STARTUP_BYTES_PER_SECOND)
+        emit.STARTUP_SECONDS_BASE + 60_000_000 / emit.STARTUP_BYTES_PER_SECOND)
     assert ex.Exporter("http://127.0.0.1:1", gpu_reader=None)._startup_window() == \
         ex.DEFAULT_STARTUP_S
 
@@ -728,7 +730,7 @@ def test_twenty_thousand_engines_are_bounded_and_counted(fake):
     took = time.monotonic() - t0
     s = {(f.name, s.name, frozenset(s.labels.items())): s.value
          for f in text_string_to_metric_families(text.decode()) for s in f.samples}
-    kept = ex.MAX_SERIES_PER_FAMILY
+    kept = vllmpage.MAX_SERIES_PER_FAMILY
     usage = [k for k in s if k[1] == "vlaunch_kv_cache_usage_ratio"]
     capacity = [k for k in s if k[1] == "vlaunch_kv_cache_capacity_tokens"
                 and ("source", "actual") in k[2]]
@@ -743,7 +745,7 @@ def test_twenty_thousand_engines_are_bounded_and_counted(fake):
 
 def test_a_30mb_label_is_skipped_in_bounded_memory_and_counted(fake):
     huge = "x" * (30 * 1024 * 1024)
-    long_engine = "e" * (ex.MAX_LABEL_CHARS + 1)
+    long_engine = "e" * (vllmpage.MAX_LABEL_CHARS + 1)
     fake.body = (vllm_page([0.25, 0.5]) + _usage_line("2", model=huge)
                  + _usage_line(long_engine)).encode()
     exp = ex.Exporter(fake.url, plan=PLAN, gpu_reader=None, cache_ttl_s=0, timeout_s=20)
@@ -774,7 +776,7 @@ def test_page_filter_across_chunk_boundaries():
             + _usage_line("3")).encode()
     expected = None
     for size in (1, 7, 64, 4096, len(page)):
-        f = ex.VllmPage()
+        f = vllmpage.VllmPage()
         for i in range(0, len(page), size):
             f.feed(page[i:i + size])
         f.close()

@@ -44,7 +44,7 @@ def _plan(path: str, kv: int, length: int) -> dict:
 
 def _boot_log(vllm_args: list[str], timeout: float = 300) -> str:
     """vLLM's output up to its capacity line (or its exit), then the process group is killed."""
-    from launcher.run.runner import API_SERVER_MODULE, free_port
+    from launcher.run.vllmargs import API_SERVER_MODULE, free_port
 
     argv = [sys.executable, "-m", API_SERVER_MODULE, *vllm_args, "--port", str(free_port())]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -446,11 +446,11 @@ def test_every_kustomization_model_can_be_planned():
 def test_grace_period_covers_vlaunch_stop_timeout(overlay):
     """SIGKILL must not cut vLLM's drain short: the pod's grace period is vlaunch's stop
     timeout (`--stop-timeout`, default DEFAULT_STOP_TIMEOUT_S) plus a margin for vlaunch."""
-    from launcher.run import runner
+    from launcher.run import drain
 
-    default = getattr(runner, "DEFAULT_STOP_TIMEOUT_S", None)
+    default = getattr(drain, "DEFAULT_STOP_TIMEOUT_S", None)
     assert default is not None, (
-        "launcher/run/runner.py has no DEFAULT_STOP_TIMEOUT_S yet (issue 13 item 8: "
+        "launcher/run/drain.py has no DEFAULT_STOP_TIMEOUT_S yet (issue 13 item 8: "
         "`--stop-timeout`); the manifests assume 120 s until it lands")
     gen = _generator()
     _, objs = overlay

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from test_dashboard import dashboard_exprs, metric_names, substitute
 
-from launcher.run.runner import free_port
+from launcher.run.vllmargs import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.prometheus]
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.run import runner as runner_mod
-from launcher.run import vllmlog
-from launcher.run.runner import VllmRunner, vllm_command
+from launcher.run import vllmargs, vllmlog
+from launcher.run.procgroup import pids_in_group
+from launcher.run.runner import VllmRunner
+from launcher.run.vllmargs import vllm_command
 
 FAKE_SERVER = textwrap.dedent(
     r"""
@@ -126,16 +127,16 @@ def fake(tmp_path: Path):
 
 def test_command_without_vllm_metadata_uses_the_module(monkeypatch):
     def missing(name):
-        raise runner_mod.importlib.metadata.PackageNotFoundError(name)
+        raise vllmargs.importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(runner_mod.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(vllmargs.importlib.metadata, "distribution", missing)
     assert vllm_command() == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert vllm_command("/opt/py")[0] == "/opt/py"
 
 
 def test_command_with_vllm_distribution_uses_vllm_serve(monkeypatch):
-    monkeypatch.setattr(runner_mod.importlib.metadata, "distribution", lambda name: object())
-    monkeypatch.setattr(runner_mod.shutil, "which", lambda name: "/usr/bin/vllm")
+    monkeypatch.setattr(vllmargs.importlib.metadata, "distribution", lambda name: object())
+    monkeypatch.setattr(vllmargs.shutil, "which", lambda name: "/usr/bin/vllm")
     assert vllm_command() == ["/usr/bin/vllm", "serve"]
     r = VllmRunner(["--model", "/m", "--port", "8123"], log_path=os.devnull)
     # `vllm serve` takes the model positionally.
@@ -276,8 +277,8 @@ def _run_driver(cfg: dict, wait_for: str | None, timeout: float):
 
 def _assert_group_gone(pgid: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while runner_mod._pids_in_group(pgid):
-        assert time.monotonic() < deadline, f"survivors: {runner_mod._pids_in_group(pgid)}"
+    while pids_in_group(pgid):
+        assert time.monotonic() < deadline, f"survivors: {pids_in_group(pgid)}"
         time.sleep(0.2)
 
 
@@ -292,7 +293,7 @@ def test_sigterm_to_supervisor_is_forwarded(tmp_path: Path):
         "serve": True,
     }
     proc, pgid = _run_driver(cfg, "ready", 60)
-    assert runner_mod._pids_in_group(pgid)
+    assert pids_in_group(pgid)
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=60)
     assert rc == 128 + signal.SIGTERM  # vLLM's status, passed through

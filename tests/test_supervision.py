@@ -28,17 +28,13 @@ from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.predict.planner import Pins
-from launcher.run import runner as runner_mod
+from launcher.run import logpump
+from launcher.run.drain import DEFAULT_STOP_TIMEOUT_S, drain_seconds, with_drain
 from launcher.run.multinode import build_launch
-from launcher.run.runner import (
-    DEFAULT_STOP_TIMEOUT_S,
-    VllmRunner,
-    drain_seconds,
-    free_port,
-    serve_both_names,
-    with_drain,
-)
+from launcher.run.procgroup import pids_in_group
+from launcher.run.runner import VllmRunner
 from launcher.run.serve import run_node, serve
+from launcher.run.vllmargs import free_port, port_answers, serve_both_names
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +143,7 @@ def _fake_pids(path: Path, timeout: float = 20) -> tuple[int, int]:
 def _gone(pids: tuple[int, ...], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(runner_mod._pids_in_group(p) or _alive(p) for p in pids):
+        if not any(pids_in_group(p) or _alive(p) for p in pids):
             return True
         time.sleep(0.1)
     return False
@@ -258,7 +254,7 @@ def orphan(tmp_path: Path):
                              "--served-model-name", "small"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
-    while not runner_mod.port_answers("127.0.0.1", port):
+    while not port_answers("127.0.0.1", port):
         assert time.monotonic() < deadline and proc.poll() is None, "orphan did not start"
         time.sleep(0.05)
     yield port
@@ -361,8 +357,8 @@ def test_a_slow_terminal_does_not_stall_vllm(env, tmp_path):
 
 
 def test_the_log_is_rotated_and_read_back_in_bounded_pieces(env, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner_mod, "LOG_HEAD_BYTES", 64 << 10)
-    monkeypatch.setattr(runner_mod, "LOG_TAIL_BYTES", 64 << 10)
+    monkeypatch.setattr(logpump, "LOG_HEAD_BYTES", 64 << 10)
+    monkeypatch.setattr(logpump, "LOG_TAIL_BYTES", 64 << 10)
     env("flood", flood_lines=30000)  # about 3.5 MB
     r = _runner(tmp_path, log_max_bytes=1 << 20)
     with r:
@@ -652,4 +648,4 @@ def test_port_answers_is_false_for_a_closed_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening
-        assert not runner_mod.port_answers("127.0.0.1", port)
+        assert not port_answers("127.0.0.1", port)

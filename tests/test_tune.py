@@ -31,8 +31,9 @@ from launcher.predict.planner import Pins
 from launcher.run import tune as T
 from launcher.run.emit import load_plan
 from launcher.run.loadgen import LoadSpec, summarize
-from launcher.run.runner import VllmRunner, arg_value
+from launcher.run.runner import VllmRunner
 from launcher.run.tinymodel import config_dict
+from launcher.run.vllmargs import arg_value
 
 FAKE_VLLM = textwrap.dedent(
     r"""

@@ -62,7 +62,7 @@ PROBE_PERIOD_S = 10
 # After vLLM has drained (vlaunch's stop timeout), vlaunch itself still stops the exporter,
 # reaps the process group and exits; the kubelet's SIGKILL must come after all of that.
 STOP_MARGIN_S = 30
-FALLBACK_STOP_TIMEOUT_S = 120  # until launcher/run/runner.py defines DEFAULT_STOP_TIMEOUT_S
+FALLBACK_STOP_TIMEOUT_S = 120  # until launcher/run/drain.py defines DEFAULT_STOP_TIMEOUT_S
 
 
 def prometheus_rule(alerts_text: str) -> str:
@@ -139,9 +139,9 @@ def max_attempts() -> int:
 
 def stop_timeout_s() -> float:
     """vlaunch's grace for vLLM to drain before SIGKILL (`--stop-timeout`'s default)."""
-    from launcher.run import runner
+    from launcher.run import drain
 
-    return float(getattr(runner, "DEFAULT_STOP_TIMEOUT_S", FALLBACK_STOP_TIMEOUT_S))
+    return float(getattr(drain, "DEFAULT_STOP_TIMEOUT_S", FALLBACK_STOP_TIMEOUT_S))
 
 
 def timing(model: str, gpus: str) -> dict[str, Any]:

@@ -106,6 +106,12 @@ def load_plan(path: str | os.PathLike[str]) -> dict:
     return plan
 
 
+STARTUP_SECONDS_BASE = 300
+STARTUP_BYTES_PER_SECOND = 200 * (1 << 20)
+"""Start-up deadline: 5 minutes plus the weights at 200 MiB/s (a slow network volume); a
+DeepSeek-V3 FP8 load is given about an hour. A hang past it is a failure, not a wait."""
+
+
 def startup_deadline_s(plan: Mapping[str, Any]) -> float:
     """Seconds one start-up attempt of `plan` may take before `serve`/`exec` call it a hang.
 
@@ -113,8 +119,6 @@ def startup_deadline_s(plan: Mapping[str, Any]) -> float:
     the others that must agree with it: the exporter counts a silent engine as starting for
     this long, and the manifests' startupProbe allows every attempt this long.
     """
-    from .serve import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE
-
     model = plan.get("model") if isinstance(plan, Mapping) else None
     weights = model.get("weights_bytes") if isinstance(model, Mapping) else None
     weights = weights if isinstance(weights, (int, float)) and weights > 0 else 0

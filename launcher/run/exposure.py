@@ -14,7 +14,7 @@ import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 
-from .runner import arg_value
+from .vllmargs import arg_value
 
 LOOPBACK = "127.0.0.1"
 

@@ -42,23 +42,12 @@ from ..predict.planner import Pins, Plan, make_plan
 from ..redact import command_line_warning, redact_args, redact_env
 from ..render import plan_text
 from . import vllmlog
+from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
+from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadline_s
 from .exposure import exposure_warning, with_host
-from .runner import (
-    DEFAULT_STOP_TIMEOUT_S,
-    VLLM_COMMAND_ENV,
-    VllmRunner,
-    arg_value,
-    free_port,
-    prefixed_echo,
-    serve_both_names,
-    vllm_command,
-    with_drain,
-)
-
-STARTUP_SECONDS_BASE = 300
-STARTUP_BYTES_PER_SECOND = 200 * (1 << 20)
-"""Start-up deadline: 5 minutes plus the weights at 200 MiB/s (a slow network volume); a
-DeepSeek-V3 FP8 load is given about an hour. A hang past it is a failure, not a wait."""
+from .logpump import prefixed_echo
+from .runner import VllmRunner
+from .vllmargs import VLLM_COMMAND_ENV, arg_value, free_port, serve_both_names, vllm_command
 
 
 def merge_args(planned: list[str], extra: list[str]) -> tuple[list[str], list[str]]:
@@ -648,7 +637,8 @@ def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,
     (a user's longer --startup-timeout must not end it early and fire VlaunchEngineDown)."""
     from ..observe.exporter import Exporter
 
-    exp = Exporter(vllm_url=base_url, plan=plan, startup_timeout_s=startup_timeout)
+    exp = Exporter(vllm_url=base_url, plan=plan,
+                   startup_timeout_s=startup_timeout or startup_deadline_s)
     try:
         bound = exp.start(port=port, bind=bind)
     except Exception as e:  # a busy port must not take the engine down

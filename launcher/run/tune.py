@@ -57,11 +57,12 @@ from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins, make_plan
 from ..predict.speculative import measured_acceptance, record_acceptance
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
-from .emit import atomic_write, emit_plan
+from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
 from .exposure import exposure_warning, with_host
 from .loadgen import LoadGenerator, LoadgenError, LoadSpec
-from .runner import VllmRunner, arg_value
-from .serve import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, merge_args
+from .runner import VllmRunner
+from .serve import merge_args
+from .vllmargs import arg_value
 
 TUNE_FILE = "tune.json"
 SCHEMA = 1

@@ -1,0 +1,255 @@
+"""The metric families vlaunch exports, computed from one scrape's inputs (pure).
+
+Why apart from the exporter: what a family means (its name, help, labels, and when a series is
+left out instead of frozen) is the contract with dashboards and alerts; reading it should not
+need the fetching, caching and threading around it. Each function takes what one scrape saw
+and yields prometheus_client families.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .gpus import GpuRecord
+from .vllmpage import VllmSnapshot
+
+PLAN_COMPONENTS = {
+    "weights": "weights_bytes",
+    "activation": "activation_bytes",
+    "cudagraph": "cudagraph_bytes",
+    "non_torch": "non_torch_bytes",
+    "kv_cache": "kv_cache_bytes",
+}
+
+
+@dataclass
+class ActualNumbers:
+    """What vLLM logged at start-up, handed over by `vlaunch serve` (per engine, per GPU)."""
+
+    kv_tokens: int | None = None
+    kv_memory_bytes: int | None = None
+    weights_bytes: int | None = None
+    num_blocks: int | None = None
+    block_size: int | None = None
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        if self.kv_tokens:
+            return self.kv_tokens
+        if self.num_blocks and self.block_size:
+            return self.num_blocks * self.block_size
+        return None
+
+
+def _add(family: Metric, labels: dict[str, str], value: float) -> None:
+    """Add a sample with its own label set (add_metric insists on the family's full set)."""
+    family.add_sample(family.name, labels, value)
+
+
+def _num(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def plan_value(plan: Mapping[str, Any], *keys: str) -> Any:
+    """`plan[k1][k2]...`, or None where the plan (a dict from JSON) has no such entry."""
+    node: Any = plan
+    for k in keys:
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(k)
+    return node
+
+
+def _planned_tokens(plan: Mapping[str, Any]) -> float | None:
+    v = _num(plan_value(plan, "kv_cache", "tokens"))
+    return v if v and v > 0 else None
+
+
+def _planned_kv_bytes(plan: Mapping[str, Any]) -> float | None:
+    v = _num(plan_value(plan, "per_gpu", "kv_cache_bytes"))
+    if v is None:
+        v = _num(plan_value(plan, "kv_cache", "memory_bytes"))
+    return v if v and v > 0 else None
+
+
+def engine_families(
+    plan: Mapping[str, Any], snap: VllmSnapshot | None, actual: ActualNumbers, restarts: int,
+    starting: bool,
+) -> Iterator[Metric]:
+    """Engine up/starting, restarts, and the KV cache per engine next to the plan's numbers."""
+    if snap is not None:
+        yield GaugeMetricFamily(
+            "vlaunch_engine_up",
+            "1 if vLLM's /metrics answered with the KV usage gauge on the last scrape, else 0.",
+            value=1.0 if snap.ok else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "vlaunch_engine_starting",
+            "1 while vLLM has not answered since it was (re)started and is within its "
+            "start-up deadline (loading weights, compiling): engine_up 0 is expected then.",
+            value=1.0 if starting else 0.0,
+        )
+    yield CounterMetricFamily(
+        "vlaunch_engine_restarts",
+        "Engine restarts: done by vlaunch serve, or seen as a new vLLM process start time.",
+        value=restarts,
+    )
+    usage = GaugeMetricFamily(
+        "vlaunch_kv_cache_usage_ratio",
+        "Fraction of the KV cache in use (vllm:kv_cache_usage_perc), 0..1, per engine.",
+        labels=["engine"],
+    )
+    used = GaugeMetricFamily(
+        "vlaunch_kv_cache_used_tokens",
+        "KV cache tokens in use: usage ratio x actual capacity, per engine.",
+        labels=["engine"],
+    )
+    capacity = GaugeMetricFamily(
+        "vlaunch_kv_cache_capacity_tokens",
+        "KV cache capacity in tokens per engine: planned by vlaunch or actual from vLLM.",
+        labels=["source", "engine"],
+    )
+    cap_bytes = GaugeMetricFamily(
+        "vlaunch_kv_cache_capacity_bytes",
+        "KV cache memory per GPU in bytes: planned by vlaunch or actual from vLLM.",
+        labels=["source", "engine"],
+    )
+    concurrency = GaugeMetricFamily(
+        "vlaunch_kv_cache_max_concurrency",
+        "Requests of max_model_len tokens the KV cache holds at once, per engine.",
+        labels=["source", "engine"],
+    )
+    error = GaugeMetricFamily(
+        "vlaunch_prediction_error_ratio",
+        "(actual - planned) / planned for the planner's predictions.",
+        labels=["quantity", "engine"],
+    )
+    # Planned and per-GPU series have no `engine` label (the plan is the same for every
+    # engine); Prometheus allows label sets to differ within a family.
+    planned_tokens = _planned_tokens(plan)
+    planned_bytes = _planned_kv_bytes(plan)
+    planned_conc = _num(plan_value(plan, "max_concurrency"))
+    max_model_len = _num(plan_value(plan, "max_model_len"))
+    if planned_tokens:
+        _add(capacity, {"source": "planned"}, planned_tokens)
+    if planned_bytes:
+        _add(cap_bytes, {"source": "planned"}, planned_bytes)
+    if planned_conc:
+        _add(concurrency, {"source": "planned"}, planned_conc)
+    planned_weights = _num(plan_value(plan, "per_gpu", "weights_bytes"))
+    if planned_weights and actual.weights_bytes:
+        _add(error, {"quantity": "weights"},
+             (actual.weights_bytes - planned_weights) / planned_weights)
+    # Engine-derived series exist only while the engine answers: dropped, never frozen.
+    if snap is not None and snap.ok:
+        for engine, s in sorted(snap.engines.items()):
+            tokens = s.capacity_tokens or actual.capacity_tokens
+            kv_bytes = s.capacity_bytes or actual.kv_memory_bytes
+            conc = s.max_concurrency
+            if conc is None and tokens and max_model_len:
+                conc = tokens / max_model_len
+            if s.usage_ratio is not None:
+                usage.add_metric([engine], s.usage_ratio)
+                if tokens:
+                    used.add_metric([engine], s.usage_ratio * tokens)
+            if tokens:
+                capacity.add_metric(["actual", engine], tokens)
+                if planned_tokens:
+                    error.add_metric(
+                        ["kv_tokens", engine], (tokens - planned_tokens) / planned_tokens
+                    )
+            if kv_bytes:
+                cap_bytes.add_metric(["actual", engine], kv_bytes)
+            if conc:
+                concurrency.add_metric(["actual", engine], conc)
+    yield from (usage, used, capacity, cap_bytes, concurrency, error)
+
+def plan_families(plan: Mapping[str, Any]) -> Iterator[Metric]:
+    """The plan's per-GPU memory budget and what it runs (nothing without a plan)."""
+    if not plan:
+        return
+    memory = GaugeMetricFamily(
+        "vlaunch_plan_memory_bytes",
+        "The plan's per-GPU memory budget by consumer, in bytes.",
+        labels=["component"],
+    )
+    for component, key in PLAN_COMPONENTS.items():
+        v = _num(plan_value(plan, "per_gpu", key))
+        if v is not None:
+            memory.add_metric([component], v)
+    yield memory
+    parallel = plan_value(plan, "parallel") or {}
+    info = {
+        "model": plan_value(plan, "model", "name"),
+        "tp": parallel.get("tp") if isinstance(parallel, Mapping) else None,
+        "pp": parallel.get("pp") if isinstance(parallel, Mapping) else None,
+        "dp": parallel.get("dp") if isinstance(parallel, Mapping) else None,
+        "kv_cache_dtype": plan_value(plan, "kv_cache", "dtype"),
+        "max_model_len": plan_value(plan, "max_model_len"),
+        "vllm_version": plan_value(plan, "vllm_version"),
+    }
+    plan_info = GaugeMetricFamily(
+        "vlaunch_plan_info", "The plan this deployment runs (always 1).", labels=list(info)
+    )
+    plan_info.add_metric(["" if v is None else str(v) for v in info.values()], 1.0)
+    yield plan_info
+
+def gpu_families(gpus: list[GpuRecord]) -> Iterator[Metric]:
+    """Used, free and total memory per device."""
+    fam = GaugeMetricFamily(
+        "vlaunch_gpu_memory_bytes",
+        "GPU memory as NVML reports it: used, free and total bytes per device.",
+        labels=["gpu", "uuid", "kind"],
+    )
+    for g in gpus:
+        for kind, value in (("used", g.used_bytes), ("free", g.free_bytes),
+                            ("total", g.total_bytes)):
+            fam.add_metric([str(g.index), g.uuid, kind], value)
+    yield fam
+
+def self_families(
+    snap: VllmSnapshot | None, errors: dict[tuple[str, str], int], dropped: dict[str, int],
+    gpu_duration: float | None, *, scrapes_vllm: bool, reads_gpus: bool,
+) -> Iterator[Metric]:
+    """The exporter's own health: series dropped, errors and how long each read took."""
+    if scrapes_vllm:
+        drops = CounterMetricFamily(
+            "vlaunch_exporter_dropped_series",
+            "Series of vLLM's /metrics left out: a label longer than the exporter takes, or "
+            "more series in a family than it takes (reason).",
+            labels=["reason"],
+        )
+        for reason, n in sorted(dropped.items()):
+            drops.add_metric([reason], n)
+        yield drops
+    errs = CounterMetricFamily(
+        "vlaunch_scrape_errors",
+        "Failed reads of vLLM's /metrics or of the GPUs, by target and reason.",
+        labels=["target", "reason"],
+    )
+    for (target, reason), n in sorted(errors.items()):
+        if target == "vllm" and not scrapes_vllm:
+            continue
+        if target == "gpu" and not reads_gpus:
+            continue
+        errs.add_metric([target, reason], n)
+    yield errs
+    dur = GaugeMetricFamily(
+        "vlaunch_scrape_duration_seconds",
+        "Seconds the last read of each target took (vLLM: fetch and parse).",
+        labels=["target"],
+    )
+    if snap is not None:
+        dur.add_metric(["vllm"], snap.duration_s)
+    if reads_gpus and gpu_duration is not None:
+        dur.add_metric(["gpu"], gpu_duration)
+    yield dur

@@ -137,13 +137,33 @@ def atomic_write(path: str | os.PathLike[str], text: str, mode: int | None = Non
     return target
 
 
+def _open_char_device(path: Path) -> Any:
+    """An existing character device named explicitly (/dev/null, /dev/full) opened for
+    appending, else None. Only root makes device nodes, so writing to one leaks nothing to
+    whoever made the name; checked again on the open descriptor, against a swap meanwhile."""
+    import stat
+
+    try:
+        if not stat.S_ISCHR(os.lstat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    if not stat.S_ISCHR(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "ab", buffering=0)
+
+
 def create_private(path: str | os.PathLike[str], *, tries: int = 1000) -> tuple[Any, Path]:
     """A new file only this user can read (0600), opened for appending bytes, unbuffered.
 
     O_EXCL | O_NOFOLLOW: a name that already exists, or a symlink planted under it (log names
     such as tune's `vllm-trial3.log` are predictable, and a log dir may be shared), is never
     opened or followed; the next free name `STEM-2.SUFFIX`, `STEM-3.SUFFIX`, ... is taken
-    instead. Returns (file, the path actually created).
+    instead. An existing character device named on purpose (/dev/null) is written to as it is.
+    Returns (file, the path actually opened).
     """
     target = Path(path)
     flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
@@ -153,6 +173,9 @@ def create_private(path: str | os.PathLike[str], *, tries: int = 1000) -> tuple[
         try:
             fd = os.open(candidate, flags, 0o600)
         except FileExistsError:
+            device = _open_char_device(candidate)
+            if device is not None:
+                return device, candidate
             continue
         return os.fdopen(fd, "ab", buffering=0), candidate
     raise FileExistsError(f"{target} and {tries - 1} alternatives exist; clean up {target.parent}")

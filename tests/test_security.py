@@ -5,12 +5,15 @@ Each test plays the attacker or the careless operator the review found, on loopb
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import secrets
 import stat
 import string
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -353,3 +356,145 @@ def test_tune_trials_listen_on_loopback():
     assert runner.vllm_args[runner.vllm_args.index("--host") + 1] == "127.0.0.1"
     mine = _default_runner(["--model", "m", "--port", "1", "--host", "::1"], {})
     assert _host_of(mine.vllm_args) == "::1"
+
+
+# ---- readiness: ownership before anything is sent; /health without the key ---------------------
+
+
+class _Recorder:
+    """A loopback listener that records every byte sent to it and answers 200 to anything:
+    the foreign listener that took the port first, or a stand-in vLLM."""
+
+    def __init__(self) -> None:
+        import socketserver
+
+        self.requests: list[bytes] = []
+        self.connections = 0
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                outer.connections += 1
+                self.request.settimeout(2)
+                data = b""
+                with contextlib.suppress(OSError):
+                    while b"\r\n\r\n" not in data:
+                        chunk = self.request.recv(4096)
+                        if not chunk:
+                            break
+                        data += chunk
+                if data:
+                    outer.requests.append(data)
+                    path = data.split(b" ", 2)[1] if data.count(b" ") >= 2 else b"/"
+                    body = (b'{"data": [{"id": "m"}]}' if path.endswith(b"/v1/models")
+                            else b"")
+                    with contextlib.suppress(OSError):
+                        self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: "
+                                             + str(len(body)).encode()
+                                             + b"\r\nConnection: close\r\n\r\n" + body)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture()
+def recorder():
+    rec = _Recorder()
+    yield rec
+    rec.close()
+
+
+def test_a_foreign_listener_on_our_port_is_sent_nothing(recorder, tmp_path, monkeypatch):
+    """Our child never binds (it hangs); the port is held by another process, which must not
+    receive a single request, least of all one carrying the key."""
+    from launcher.run.runner import VllmRunner
+
+    fake = REPO / "tests" / "fake_vllm.py"
+    monkeypatch.setenv("VLAUNCH_VLLM_COMMAND", f"{sys.executable} {fake} serve")
+    monkeypatch.setenv("FAKE_VLLM_MODE", "hang")
+    key = secrets.token_hex(16)
+    monkeypatch.setenv("VLLM_API_KEY", key)
+    r = VllmRunner(["--model", "m", "--port", str(recorder.port)], log_path=tmp_path / "v.log",
+                   poll_interval=0.1, grace_period=2)
+    with r:
+        r.start()
+        out = r.wait_ready(timeout=3)
+    assert not out.ready and r.foreign_listener
+    assert recorder.requests == [], recorder.requests  # not /health, not /v1/models
+
+
+def test_health_carries_no_key_and_v1_does(recorder):
+    from launcher.run.endpoint import Endpoint
+
+    key = secrets.token_hex(16)
+    ep = Endpoint("127.0.0.1", recorder.port, "m", ["--api-key", key], {})
+    assert ep.healthy() and ep.serves_model()
+    ep.get("/metrics")
+    sent = {r.split(b" ", 2)[1].decode(): r for r in recorder.requests}
+    assert set(sent) == {"/health", "/v1/models", "/metrics"}
+    for path, raw in sent.items():
+        assert (key.encode() in raw) == path.startswith("/v1"), (path, raw)
+
+
+# ---- vLLM's log files: new, private, never through a planted link --------------------------------
+
+
+def test_a_planted_symlink_at_the_log_name_is_not_followed(tmp_path):
+    from launcher.run.logpump import OutputLog
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    log = tmp_path / "logs" / "vllm-trial1.log"  # tune's names are predictable
+    log.parent.mkdir()
+    log.symlink_to(victim)
+    out = OutputLog(log)
+    out.open()
+    out._write(b"secret engine output\n")
+    out.close()
+    assert victim.read_text() == "precious\n"
+    assert out.path != log and out.path.parent == log.parent and not out.path.is_symlink()
+    assert out.path.read_bytes() == b"secret engine output\n"
+    assert stat.S_IMODE(out.path.stat().st_mode) & 0o077 == 0  # 0600 (less the umask)
+
+
+def test_an_existing_log_is_neither_appended_to_nor_replaced(tmp_path):
+    from launcher.run.logpump import OutputLog
+
+    log = tmp_path / "vllm-trial1.log"
+    log.write_text("someone else's file\n")
+    outs = []
+    for _ in range(3):
+        out = OutputLog(log)
+        out.open()
+        out._write(b"mine\n")
+        out.close()
+        outs.append(out.path)
+    assert log.read_text() == "someone else's file\n"
+    assert len(set(outs)) == 3 and all(p.read_bytes() == b"mine\n" for p in outs)
+
+
+def test_rotation_does_not_follow_a_link_planted_after_the_rename(tmp_path, monkeypatch):
+    from launcher.run import logpump
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    log = tmp_path / "v.log"
+    out = logpump.OutputLog(log, max_bytes=10)
+    out.open()
+    real_replace = os.replace
+
+    def replace_then_plant(src, dst):
+        real_replace(src, dst)
+        os.symlink(victim, src)  # the attacker wins the race for the name
+
+    monkeypatch.setattr(logpump.os, "replace", replace_then_plant)
+    out._write(b"0123456789")
+    out._write(b"more output\n")  # rotates: the new file must not be the victim
+    assert victim.read_text() == "precious\n"
+    assert out.write_errors >= 1

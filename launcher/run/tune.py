@@ -895,6 +895,8 @@ class Tuner:
         t0 = time.monotonic()
         with runner, runner.forward_signals():
             runner.start()
+            # the log is always a new file: a resumed run's old one keeps its name
+            rec["log"] = str(getattr(runner, "log_path", None) or log_path)
             outcome = self._wait_ready(runner, t)
             rec["startup_s"] = round(time.monotonic() - t0, 1)
             if not outcome.ready:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from launcher.observe.metrics_http import MetricsServer
+from launcher.observe.metrics_http import BoundedHttpServer
 from launcher.observe.shared_read import ReadFailed, ReadTimeout, SharedRead
 
 BODY = b"# TYPE vlaunch_up gauge\nvlaunch_up 1\n"
@@ -21,10 +21,10 @@ BODY = b"# TYPE vlaunch_up gauge\nvlaunch_up 1\n"
 
 @pytest.fixture()
 def server():
-    started: list[MetricsServer] = []
+    started: list[BoundedHttpServer] = []
 
-    def make(render=lambda: BODY, **kw) -> MetricsServer:
-        srv = MetricsServer(render, "127.0.0.1", 0, **kw).start()
+    def make(render=lambda: BODY, **kw) -> BoundedHttpServer:
+        srv = BoundedHttpServer(render, "127.0.0.1", 0, **kw).start()
         started.append(srv)
         return srv
 
@@ -163,7 +163,7 @@ def test_binding_a_taken_port_is_an_oserror():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         with pytest.raises(OSError):
-            MetricsServer(lambda: BODY, "127.0.0.1", taken.getsockname()[1])
+            BoundedHttpServer(lambda: BODY, "127.0.0.1", taken.getsockname()[1])
 
 
 # ---- SharedRead --------------------------------------------------------------------------------

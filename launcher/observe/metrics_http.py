@@ -37,7 +37,7 @@ def _response(status: str, body: bytes, head_only: bool = False) -> bytes:
     return header if head_only else header + body
 
 
-class MetricsServer:
+class BoundedHttpServer:
     """Serve `render()` on GET /metrics at host:port. `server_port`, `shutdown()` and
     `server_close()` as socketserver's servers have them, so the exporter stops it the same
     way."""
@@ -75,7 +75,7 @@ class MetricsServer:
         self._thread: threading.Thread | None = None
         self.dropped = 0  # connections closed unanswered (cap, timeout, oversize)
 
-    def start(self) -> MetricsServer:
+    def start(self) -> BoundedHttpServer:
         self._thread = threading.Thread(target=self._loop, name="vlaunch-metrics-accept",
                                         daemon=True)
         self._thread.start()

@@ -59,10 +59,11 @@ demo: venv engine
 # tune.json and plan.json land in .cache/tune-demo/ (TUNE_DEMO_DIR=...).
 TUNE_DEMO_DIR ?= .cache/tune-demo
 tune-demo: venv engine
-	$(BIN)/vlaunch tune $$($(BIN)/python -m launcher.run.tinymodel) \
+	VLAUNCH_CACHE_DIR=$(TUNE_DEMO_DIR)/cache $(BIN)/vlaunch tune $$($(BIN)/python -m launcher.run.tinymodel) \
 		--gpus cpu --input-len 64 --output-len 32 --slo ttft=1500ms,tpot=60ms \
 		--max-starts 4 --budget 10m --output $(TUNE_DEMO_DIR) \
 		--candidate "--max-model-len 512 --kv-cache-memory-bytes 1327104"
+	@$(BIN)/python bench/calibration_report.py $(TUNE_DEMO_DIR)/cache/calibration.json
 	@echo "== $(TUNE_DEMO_DIR)/plan.json runs as is: $(BIN)/vlaunch exec --plan $(TUNE_DEMO_DIR)/plan.json"
 
 clean:

@@ -1,28 +1,32 @@
 """The performance model against published vLLM serving measurements, row by row.
 
-Prints each expressible row of shared/validation/vllm-perf-observations.csv (TPOT and output
-tokens/s, predicted vs observed), the rows the model cannot express and why, and the median
-|error| of each quantity (goal: <= 25% on both).
+Prints each expressible row of tests/fixtures/perf/ (TPOT, output tokens/s and MTP speed-ups,
+predicted vs observed with the shipped constants), the rows the model cannot express and why,
+and the headline: the leave-one-source-out median |error| of TPOT and output tokens/s (every
+publication's rows predicted by constants fitted to the others only; goal <= 25% each) with the
+in-sample figure beside it.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launcher.predict import perf_validation  # noqa: E402
-
-CSV = Path(__file__).resolve().parents[2] / "shared" / "validation" / "vllm-perf-observations.csv"
+import perf_fit  # noqa: E402
+import perf_validation  # noqa: E402
 
 
 def main() -> int:
-    if not CSV.is_file():
-        print(f"skipped: {CSV} not found (shared validation data absent)")
-        return 0
-    results, skipped = perf_validation.run(CSV)
+    t0 = time.perf_counter()
+    results, skipped = perf_validation.run()
     print(perf_validation.table(results, skipped))
+    held = perf_fit.leave_one_source_out()
+    print(perf_fit.headline(results, held))
+    print(f"({time.perf_counter() - t0:.0f} s)")
     return 0
 
 

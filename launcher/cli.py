@@ -201,12 +201,18 @@ def split_goals(kw: dict) -> dict:
             "concurrency": raw["concurrency"]}
 
 
-def build_plan(model: str, gpus: str | None, **pins):
+def revision_option(f):
+    """--revision: the Hub branch, tag or commit of an ORG/NAME model (passed to vLLM too)."""
+    return click.option("--revision", help="Hub branch, tag or commit of an ORG/NAME model "
+                        "(default: main); the plan records the commit it used.")(f)
+
+
+def build_plan(model: str, gpus: str | None, revision: str | None = None, **pins):
     from .inputs.model import load_model
     from .predict.planner import make_plan
 
     goals = split_goals(pins)
-    spec = load_model(model)
+    spec = load_model(model, revision)
     return make_plan(spec, _hardware(gpus), _pins(**pins), **goals)
 
 
@@ -249,6 +255,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 @cli.command("plan")
 @click.argument("model")
+@revision_option
 @plan_options
 @format_option("text for people; json or yaml for scripts; args: vLLM's flags, one a line.",
                "yaml", "args")
@@ -260,14 +267,15 @@ def _write_atomic(path: str, text: str) -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw the chosen layout's throughput-latency curve and the runner-ups' to a "
                    "PNG (needs matplotlib: pip install 'vlaunch[plot]').")
-def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
-             emit_dir: str | None, termination_log: str, plot_path: str | None,
-             **pins) -> None:
-    """Plan MODEL (a profile, an HF repo id of one, or a local model dir / config.json).
+def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
+             output: str | None, emit_dir: str | None, termination_log: str,
+             plot_path: str | None, **pins) -> None:
+    """Plan MODEL: a profile, a Hugging Face id (ORG/NAME: the local HF cache, then the Hub;
+    weights are never downloaded), or a local model dir / config.json.
 
     Exit 0 when it fits, 3 when it does not, 2 for bad input.
     """
-    plan = build_plan(model, gpus, **pins)
+    plan = build_plan(model, gpus, revision, **pins)
     d = plan.to_dict()
     if plot_path and d["fits"]:
         from .plot import plan_plot
@@ -292,6 +300,7 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
 
 @cli.command("capacity")
 @click.argument("model")
+@revision_option
 @click.option("--users", type=int, help="Concurrent users, each with one request in flight.")
 @click.option("--rps", type=float, help="Requests per second arriving (open loop).")
 @workload_options
@@ -310,7 +319,8 @@ def plan_cmd(model: str, gpus: str | None, fmt: str, output: str | None,
 @format_option("text: a table for people; json: for scripts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
-def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: tuple[str, ...],
+def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float | None,
+                 gpu_options: tuple[str, ...],
                  prices: tuple[str, ...], headroom: float, spare: int,
                  max_model_len: int | None, vllm_version: str | None, fmt: str,
                  plot_path: str | None, **kw) -> None:
@@ -325,7 +335,7 @@ def capacity_cmd(model: str, users: int | None, rps: float | None, gpu_options: 
     load.validate()
     options = [g.strip() for item in gpu_options for g in item.split(",") if g.strip()]
     price_map = capacity.parse_prices(prices)
-    spec = load_model(model)
+    spec = load_model(model, revision)
     d = capacity.plan_capacity(spec, load, goals["workload"], goals["slo"], options or None,
                                price_map, headroom, spare,
                                _pins(max_model_len=max_model_len, vllm_version=vllm_version))
@@ -416,10 +426,12 @@ def _stop_timeout(opts: dict) -> float:
 
 @cli.command("serve", context_settings={"ignore_unknown_options": False})
 @click.argument("model")
+@revision_option
 @plan_options
 @_serve_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def serve_cmd(model: str, gpus: str | None, extra: tuple[str, ...], **kw) -> None:
+def serve_cmd(model: str, revision: str | None, gpus: str | None, extra: tuple[str, ...],
+              **kw) -> None:
     """Plan MODEL, start vLLM on the plan, verify it, recover, and keep it serving.
 
     Arguments after `--` go to vLLM; a flag given there replaces the plan's (reported), and
@@ -430,7 +442,7 @@ def serve_cmd(model: str, gpus: str | None, extra: tuple[str, ...], **kw) -> Non
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     goals = split_goals(kw)
-    spec = load_model(model)
+    spec = load_model(model, revision)
     _run_serve(spec, _hardware(gpus), _pins(**kw), extra, opts, goals)
 
 
@@ -509,6 +521,7 @@ def goals_from_plan(d: dict) -> dict | None:
 
 @cli.command("tune")
 @click.argument("model")
+@revision_option
 @plan_options
 @click.option("--budget", default="20m", show_default=True,
               help="Wall-clock budget for the whole run: 20m, 90s, 1h30m.")
@@ -523,14 +536,20 @@ def goals_from_plan(d: dict) -> dict | None:
 @click.option("--rungs", type=click.IntRange(1, 5), help="Successive-halving rungs (default: "
               "a third of the starts go to promotions).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Benchmark prompt seed.")
+@click.option("--dataset", "dataset", type=click.Path(),
+              help="Your prompts, to measure MTP acceptance on: JSON Lines, one "
+                   "{\"prompt\": \"...\"} per line (vLLM's custom dataset format; other "
+                   "fields ignored). Default: vlaunch's own natural prompts. The knee is "
+                   "measured on random prompts either way.")
 @click.option("--startup-timeout", type=float, help="Seconds before a start-up is a hang.")
 @click.option("--plot", is_flag=True, help="Also draw tune.png (needs matplotlib).")
 @format_option("json: tune.json on stdout (progress stays on stderr).")
 @click.option("-v", "--verbose", is_flag=True, help="Show each trial's vLLM command.")
-def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_dir: str,
+def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
+             max_starts: int, output_dir: str,
              resume: bool, candidates: tuple[str, ...], max_concurrency: int | None,
-             rungs: int | None, seed: int, startup_timeout: float | None, plot: bool, fmt: str,
-             verbose: bool, **kw) -> None:
+             rungs: int | None, seed: int, dataset: str | None, startup_timeout: float | None,
+             plot: bool, fmt: str, verbose: bool, **kw) -> None:
     """Measure candidate configurations of MODEL on the real engine under an SLO.
 
     Starts vLLM on the planner's best candidates and on vLLM's defaults, finds each one's SLO
@@ -542,6 +561,7 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
     from pathlib import Path
 
     from .inputs.model import load_model
+    from .inputs.prompts import load_prompts
     from .run import tune
 
     budget_s = tune.parse_budget(budget)
@@ -550,8 +570,9 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
     if max_concurrency is not None and max_concurrency < 1:
         raise InputError(f"--max-concurrency must be at least 1, got {max_concurrency}")
     user = [tune.parse_candidate(c) for c in candidates]
+    prompts = load_prompts(dataset) if dataset is not None else None
     goals = split_goals(kw)
-    spec = load_model(model)
+    spec = load_model(model, revision)
     hw = _hardware(gpus)
     pins = _pins(**kw)
     out = tune.check_output_dir(output_dir)
@@ -559,7 +580,8 @@ def tune_cmd(model: str, gpus: str | None, budget: str, max_starts: int, output_
                             objective=goals["objective"] or "balanced", budget_s=budget_s,
                             max_starts=max_starts, output=Path(out), resume=resume, seed=seed,
                             max_concurrency=max_concurrency, rungs=rungs, user_candidates=user,
-                            startup_timeout=startup_timeout, plot=plot, verbose=verbose)
+                            startup_timeout=startup_timeout, plot=plot, verbose=verbose,
+                            prompts=prompts)
     say = (lambda s: None) if fmt == "json" else click.echo  # noqa: E731
     status, doc = tune.tune(spec, hw, pins, opts, out=say,
                             log=lambda s: click.echo(s, err=True))

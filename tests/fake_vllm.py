@@ -21,7 +21,11 @@ FAKE_VLLM_MODE picks the behaviour, comma-separated where they combine:
 - flood: prints FAKE_VLLM_FLOOD_LINES lines (default 100,000) before binding the port.
 Other knobs: FAKE_VLLM_ARGV_FILE (write argv there as JSON), FAKE_VLLM_PID_FILE (write
 "server_pid child_pid"), FAKE_VLLM_KV_TOKENS (the KV size it reports, default 28,928),
-FAKE_VLLM_LIFETIME (exit 0 after serving that many seconds, so an in-process `serve()` returns).
+FAKE_VLLM_LIFETIME (exit 0 that many seconds after answering its first completion, so an
+in-process `serve()` returns once it is serving; with FAKE_VLLM_LIFETIME_FROM=ready, after first
+listing its models, for a supervisor that sends no completion),
+FAKE_VLLM_INFLIGHT_FILE (written, with the request's model name, once a completion is accepted
+and in flight: the handshake a test waits for instead of sleeping and hoping).
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
 
     stopping = threading.Event()
     in_flight = [0]
+    lifetime_from: dict[str, float] = {}  # when FAKE_VLLM_LIFETIME started counting
     lock = threading.Lock()
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -212,6 +217,8 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
             elif path == "/v1/models":
                 self._send(200, {"object": "list",
                                  "data": [{"id": n, "object": "model"} for n in names]})
+                if os.environ.get("FAKE_VLLM_LIFETIME_FROM") == "ready":
+                    lifetime_from.setdefault("t", time.monotonic())
             elif path == "/metrics":
                 self._send(200, metrics.replace("{running}", str(in_flight[0])), "text/plain")
             else:
@@ -232,6 +239,9 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
                 return
             with lock:
                 in_flight[0] += 1
+            if os.environ.get("FAKE_VLLM_INFLIGHT_FILE"):
+                with open(os.environ["FAKE_VLLM_INFLIGHT_FILE"], "w") as f:
+                    f.write(str(req.get("model")))
             try:
                 if "smoke_fail" in mode:
                     say(f"(EngineCore pid={child.pid}) ERROR [core.py:1180] {mode['smoke_fail']}")
@@ -244,6 +254,7 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
                 k = int(req.get("max_tokens", 1))
                 self._send(200, {"model": names[0], "choices": [{"text": " x" * k}],
                                  "usage": {"completion_tokens": k}})
+                lifetime_from.setdefault("t", time.monotonic())
             finally:
                 with lock:
                     in_flight[0] -= 1
@@ -263,9 +274,10 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
         f"{scheme}://{host}:{port}")
     say("INFO:     Application startup complete.")
     lifetime = float(os.environ.get("FAKE_VLLM_LIFETIME", "0"))
-    ends = time.monotonic() + lifetime if lifetime > 0 else float("inf")
-    while not stopping.wait(0.2) and time.monotonic() < ends:
-        pass
+    while not stopping.wait(0.2):
+        began = lifetime_from.get("t")
+        if lifetime > 0 and began is not None and time.monotonic() - began >= lifetime:
+            break
     if "slow_drain" in mode:
         drain = float(os.environ.get("FAKE_VLLM_DRAIN", "30"))
         say(f"(APIServer pid={pid}) INFO [launcher.py:270] [shutdown] API server: stopping "

@@ -11,6 +11,7 @@ A second, independent check instantiates the same configs in transformers on the
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -64,6 +65,33 @@ QWEN3_5 = dict(
                        num_heads=2, patch_size=4, temporal_patch_size=2, in_channels=3,
                        num_position_embeddings=16, spatial_merge_size=2, out_hidden_size=64,
                        deepstack_visual_indexes=[]))
+
+# The families added for Hub ids, on the same small text stack (token ids inside the vocabulary:
+# transformers' defaults point past 100 for some of them).
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+PHI3 = dict(TEXT, **IDS, model_type="phi3", tie_word_embeddings=False)
+GRANITE = dict(TEXT, **IDS, model_type="granite", tie_word_embeddings=True,
+               embedding_multiplier=12.0, residual_multiplier=0.22,
+               attention_multiplier=0.0078, logits_scaling=8.0)
+OLMO2 = dict(TEXT, **IDS, model_type="olmo2", tie_word_embeddings=False)
+COHERE = dict(TEXT, **IDS, model_type="cohere", use_qk_norm=True, layer_norm_eps=1e-5)
+COHERE2 = dict(TEXT, **IDS, model_type="cohere2", sliding_window=8, sliding_window_pattern=2,
+               layer_norm_eps=1e-5)
+GLM4_MOE = dict(TEXT, **IDS, model_type="glm4_moe", num_hidden_layers=3, first_k_dense_replace=1,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                moe_intermediate_size=32, attention_bias=True, use_qk_norm=True,
+                partial_rotary_factor=0.5, num_nextn_predict_layers=1, n_group=1,
+                topk_group=1, tie_word_embeddings=False)
+LLAMA4_TEXT = dict(TEXT, **IDS, model_type="llama4_text", num_hidden_layers=4, num_local_experts=4,
+                   num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size=32,
+                   intermediate_size_mlp=96, attention_chunk_size=8, use_qk_norm=True,
+                   no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=False)
+LLAMA4 = dict(
+    model_type="llama4", tie_word_embeddings=False, text_config=LLAMA4_TEXT, **IDS,
+    vision_config=dict(model_type="llama4_vision_model", hidden_size=32, intermediate_size=48,
+                       num_hidden_layers=2, num_attention_heads=2, patch_size=4, image_size=16,
+                       num_channels=3, vision_output_dim=40, projector_input_dim=40,
+                       projector_output_dim=40, pixel_shuffle_ratio=0.5))
 
 
 def _spec(cfg: dict[str, Any]) -> ModelSpec:
@@ -234,9 +262,19 @@ def test_layer_kinds() -> None:
 # ----------------------------------------------------------------------------- errors
 
 
-def test_unknown_architecture_is_an_input_error() -> None:
-    with pytest.raises(InputError, match="cannot count parameters of architecture 'mamba2'"):
-        _spec(dict(LLAMA, model_type="mamba2"))
+def test_unknown_model_type_gets_a_generic_decoder_estimate() -> None:
+    generic = _spec(dict(LLAMA, model_type="brand_new_lm"))
+    assert generic.estimate == "generic"
+    assert param_count(generic) == param_count(_spec(LLAMA))
+    assert _spec(LLAMA).estimate == "architecture"
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "vocab_size", "intermediate_size"])
+def test_generic_estimate_refusal_names_the_missing_field(field: str) -> None:
+    cfg = {k: v for k, v in dict(LLAMA, model_type="mamba2").items() if k != field}
+    with pytest.raises(InputError, match=f"model_type 'mamba2' .* has no {field} for a generic"):
+        _spec(cfg)
 
 
 def test_incomplete_config_is_an_input_error() -> None:
@@ -267,10 +305,136 @@ def _hf_count(cfg: dict[str, Any]) -> int:
     return total
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, MISTRAL3, GEMMA3, GPT_OSS, MINIMAX, QWEN3_5],
+@pytest.mark.parametrize("cfg", [LLAMA, MISTRAL3, GEMMA3, GPT_OSS, MINIMAX, QWEN3_5, PHI3,
+                                 GRANITE, OLMO2, COHERE, COHERE2, GLM4_MOE, LLAMA4_TEXT,
+                                 LLAMA4],
                          ids=lambda c: c["model_type"])
 def test_matches_transformers(cfg: dict[str, Any]) -> None:
     spec = _spec(cfg)
     # transformers does not build Qwen3.5's MTP block (vLLM does, for speculative decoding)
     ours = sum(t.elements for t in spec.tensors if t.part != "mtp")
     assert ours == _hf_count(cfg)
+
+
+# ----------------------------------------------------------------------------- published sizes
+# config.json fields of the published checkpoints (written from the model cards' config.json;
+# none of these is vendored under /work/shared) and the total parameter counts their authors
+# publish. Published totals leave out stored-but-not-loaded MTP layers (GLM-4.5: 355B, 358B
+# with its MTP layer), so the vLLM-loaded elements are compared, within 1%.
+
+_L4_TEXT = dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
+                intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, head_dim=128, vocab_size=202048, num_local_experts=16,
+                num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8192,
+                max_position_embeddings=10485760, use_qk_norm=True, tie_word_embeddings=False)
+_L4_VISION = dict(hidden_size=1408, intermediate_size=5632, num_hidden_layers=34,
+                  num_attention_heads=16, patch_size=14, image_size=336, num_channels=3,
+                  vision_output_dim=4096, projector_input_dim=4096, projector_output_dim=4096,
+                  pixel_shuffle_ratio=0.5)
+_GLM45 = dict(model_type="glm4_moe", hidden_size=5120, intermediate_size=12288,
+              moe_intermediate_size=1536, num_hidden_layers=92, num_attention_heads=96,
+              num_key_value_heads=8, head_dim=128, n_routed_experts=160, n_shared_experts=1,
+              num_experts_per_tok=8, first_k_dense_replace=3, vocab_size=151552,
+              attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=1,
+              max_position_embeddings=131072, tie_word_embeddings=False)
+PUBLISHED = {
+    # meta-llama/Llama-4-Scout-17B-16E-Instruct: 109B total, 17B active
+    "Llama-4-Scout": (dict(model_type="llama4", text_config=_L4_TEXT, vision_config=_L4_VISION),
+                      109e9),
+    # meta-llama/Llama-4-Maverick-17B-128E-Instruct: 400B total (MoE every other layer)
+    "Llama-4-Maverick": (dict(model_type="llama4", vision_config=_L4_VISION,
+                              text_config=dict(_L4_TEXT, num_local_experts=128,
+                                               interleave_moe_layer_step=2)), 400e9),
+    # zai-org/GLM-4.5: 355B total, 32B active
+    "GLM-4.5": (_GLM45, 355e9),
+    # zai-org/GLM-4.5-Air: 106B total, 12B active
+    "GLM-4.5-Air": (dict(_GLM45, hidden_size=4096, intermediate_size=10944,
+                         moe_intermediate_size=1408, num_hidden_layers=46, n_routed_experts=128,
+                         first_k_dense_replace=1, use_qk_norm=False), 106e9),
+    # microsoft/phi-4: 14.7B
+    "phi-4": (dict(model_type="phi3", hidden_size=5120, intermediate_size=17920,
+                   num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+                   vocab_size=100352, max_position_embeddings=16384,
+                   tie_word_embeddings=False), 14.7e9),
+    # microsoft/Phi-3-mini-4k-instruct: 3.8B
+    "Phi-3-mini": (dict(model_type="phi3", hidden_size=3072, intermediate_size=8192,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                        vocab_size=32064, max_position_embeddings=4096,
+                        tie_word_embeddings=False), 3.8e9),
+    # ibm-granite/granite-3.1-8b-instruct: 8.17B (safetensors total on the Hub)
+    "granite-3.1-8b": (dict(model_type="granite", hidden_size=4096, intermediate_size=12800,
+                            num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+                            vocab_size=49155, max_position_embeddings=131072,
+                            tie_word_embeddings=True), 8.17e9),
+    # CohereForAI/c4ai-command-r-v01: 35B
+    "command-r": (dict(model_type="cohere", hidden_size=8192, intermediate_size=22528,
+                       num_hidden_layers=40, num_attention_heads=64, num_key_value_heads=64,
+                       vocab_size=256000, max_position_embeddings=131072), 35e9),
+    # CohereForAI/c4ai-command-r-plus: 104B (GQA, q/k LayerNorms)
+    "command-r-plus": (dict(model_type="cohere", hidden_size=12288, intermediate_size=33792,
+                            num_hidden_layers=64, num_attention_heads=96, num_key_value_heads=8,
+                            vocab_size=256000, max_position_embeddings=131072,
+                            use_qk_norm=True), 104e9),
+    # allenai/OLMo-2-1124-7B and -13B: 7.3B and 13.7B
+    "OLMo-2-7B": (dict(model_type="olmo2", hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       vocab_size=100352, max_position_embeddings=4096,
+                       tie_word_embeddings=False), 7.3e9),
+    "OLMo-2-13B": (dict(model_type="olmo2", hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                        vocab_size=100352, max_position_embeddings=4096,
+                        tie_word_embeddings=False), 13.7e9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_size(name: str) -> None:
+    cfg, published = PUBLISHED[name]
+    spec = spec_from_config(cfg, name=name)
+    assert spec.estimate == "architecture"
+    loaded = sum(t.elements for t in spec.tensors if t.loaded)
+    assert loaded == pytest.approx(published, rel=0.01)
+
+
+def test_glm45_mtp_layer_is_stored_not_loaded() -> None:
+    spec = spec_from_config(_GLM45, name="GLM-4.5")
+    mtp = [t for t in spec.tensors if t.part == "mtp"]
+    assert mtp and not any(t.loaded for t in mtp)
+    # one MTP layer: a full MoE decoder block plus its own embedding and head copies
+    assert sum(t.elements for t in mtp) > 2 * 151552 * 5120
+    assert spec.mtp_layers == 1
+
+
+def test_llama4_kinds_and_moe_interleave() -> None:
+    maverick = PUBLISHED["Llama-4-Maverick"][0]
+    kinds = layer_kinds(maverick)
+    # every fourth layer is a global (NoPE) layer, the rest attend within 8,192-token chunks
+    assert [i for i, k in enumerate(kinds) if k == "full"] == list(range(3, 48, 4))
+    assert set(kinds) == {"full", "chunked"}
+    spec = spec_from_config(maverick, name="maverick")
+    moe_layers = {t.layer for t in spec.tensors if t.part == "experts"}
+    assert moe_layers == set(range(1, 48, 2))
+
+
+def test_cohere2_sliding_pattern() -> None:
+    kinds = layer_kinds(dict(COHERE2, num_hidden_layers=8, sliding_window_pattern=4))
+    assert [i for i, k in enumerate(kinds) if k == "full"] == [3, 7]
+
+
+@pytest.mark.parametrize(("cfg", "key", "bad"), [
+    (LLAMA4, "text_config.intermediate_size_mlp", 0),
+    (LLAMA4, "text_config.interleave_moe_layer_step", -1),
+    (LLAMA4, "vision_config.projector_input_dim", "40"),
+    (GLM4_MOE, "n_shared_experts", -1),
+])
+def test_new_family_fields_are_checked(cfg: dict[str, Any], key: str, bad: Any) -> None:
+    import copy
+
+    broken = copy.deepcopy(cfg)
+    *path, last = key.split(".")
+    section = broken
+    for p in path:
+        section = section[p]
+    section[last] = bad
+    with pytest.raises(InputError, match=re.escape(key)):
+        _spec(broken)

@@ -117,10 +117,10 @@ def test_requested_memory_rounds_up():
 
 
 def test_blocks_are_whole_pages():
-    spec = B.KVSpec("mla", 1152)
-    page = spec.page_bytes(64, 61)  # 64 tokens * 1152 B * 61 layers
-    assert page == 64 * 1152 * 61
-    assert B.kv_blocks(10 * page + page - 1, page) == 10
+    page = 64 * 1152 * 61  # one MLA block: 64 tokens * 1152 B * 61 layers
+    for whole in (0, 1, 10, 4739):
+        for spare in (0, 1, page - 1):
+            assert B.kv_blocks(whole * page + spare, page) == whole
 
 
 def test_int4_and_fp8_channel_bytes():

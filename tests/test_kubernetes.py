@@ -8,6 +8,7 @@ place), made strict the same way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.metadata
 import importlib.util
@@ -780,6 +781,9 @@ def test_image_python_dependencies_are_pinned_by_constraints():
         except importlib.metadata.PackageNotFoundError:
             continue  # the build backend is not installed in the test environment
         assert installed == pins[name], (name, installed, pins[name])
+    for name, version in pins.items():  # the closure too: what the tests ran with
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            assert importlib.metadata.version(name) == version, (name, version)
     text = DOCKERFILE.read_text()
     assert re.search(r"PIP_CONSTRAINT=\S*constraints\.txt python3 -m pip install", text)
     assert "COPY deploy/constraints.txt" in text

@@ -5,6 +5,7 @@ stating vLLM 0.32's rule and the numbers it gives. The engine proof is tests/tes
 from __future__ import annotations
 
 import pytest
+import tinyhybrid
 
 from launcher.inputs.arch import layer_kinds
 from launcher.inputs.hardware import parse_gpus
@@ -13,7 +14,6 @@ from launcher.predict import budget as B
 from launcher.predict import kvcache as K
 from launcher.predict.capabilities import version_traits
 from launcher.predict.planner import Pins, make_plan
-from launcher.run import tinyhybrid
 
 
 def test_uniform_model_is_one_group_and_matches_the_old_count():
@@ -134,7 +134,8 @@ def test_llama4_chunked_layers_are_full_unless_the_env_allows_hybrid():
 
 def test_plan_reports_the_pool_of_a_hybrid_model():
     spec = _tiny("gdn")
-    plan = make_plan(spec, parse_gpus("1xH100"), Pins(max_model_len=2048), suggest=False)
+    plan = make_plan(spec, parse_gpus("1xH100"), Pins(max_model_len=2048, kv_cache_dtype="auto"),
+                     suggest=False)
     kv = plan.to_dict()["kv_cache"]
     assert kv["layer_kinds"] == {"state": 3, "full": 1}
     assert kv["groups"] == 4

@@ -119,14 +119,16 @@ def test_plan_takes_the_draft_from_the_kv_cache(gpus, pins, layers_off, layers_o
     spec = load_model("deepseek-r1")
     layout = on.chosen.layout
     assert c["weights_bytes"] == S.weight_bytes(spec, layout)
-    assert c["kv_bytes_per_token"] == 1152
+    assert c["kv_bytes_per_token"] == S.kv_bytes_per_token(spec, on.chosen.kv_dtype, layout)
+    assert c["kv_bytes_per_token"] == (1152 if on.chosen.kv_dtype == "auto" else 576)
     # weights per GPU grow by the draft on the limiting (last) rank
     last_off, last_on = (off.chosen.stages[-1]["weights_bytes"],
                          on.chosen.stages[-1]["weights_bytes"])
     assert last_on - last_off == c["weights_bytes"]
     # KV bytes per token on the limiting GPU: one more 1,152 B layer where the draft lives
-    assert d_on["kv_cache"]["bytes_per_token"] == layers_on * 1152
-    assert d_off["kv_cache"]["bytes_per_token"] == layers_off * 1152
+    per_layer = {"auto": 1152, "fp8": 576}
+    assert d_on["kv_cache"]["bytes_per_token"] == layers_on * per_layer[on.chosen.kv_dtype]
+    assert d_off["kv_cache"]["bytes_per_token"] == layers_off * per_layer[off.chosen.kv_dtype]
     assert on.chosen.stages[-1]["layers"] == off.chosen.stages[-1]["layers"] + 1
     assert d_on["kv_cache"]["tokens"] < d_off["kv_cache"]["tokens"]
     assert '{"method":"mtp","num_speculative_tokens":1}' in d_on["vllm_args"]
@@ -139,7 +141,7 @@ def test_tokens_per_step_is_the_accepted_chain():
     assert a.tokens_per_step(1) == pytest.approx(1.8)
     assert a.tokens_per_step(3) == pytest.approx(1 + 0.8 * (1 + 0.5 + 0.25))
     d = S.acceptance()
-    assert d.first == 0.85 and "Technical Report" in d.source  # the stated default
+    assert d.first == 0.81 and "12755" in d.source  # the stated default: vLLM's measurement
 
 
 def test_capture_sizes_follow_vllm_with_draft_tokens():
@@ -321,7 +323,7 @@ def test_tiny_mtp_variant_keeps_the_plain_model_identity(tmp_path):
 
 
 def test_tune_varies_mtp_as_a_knob():
-    from launcher.run import tune
+    from launcher.run import tune_candidates as tune
 
     spec, hw = load_model("deepseek-r1"), parse_gpus("8xH200")
     base = _plan("deepseek-r1", "8xH200").to_dict()
@@ -331,8 +333,10 @@ def test_tune_varies_mtp_as_a_knob():
     assert tune.mtp_variants(spec, hw, Pins(speculative=False), base) == [{}]  # a pin stays
     lite = load_model("deepseek-v2-lite")
     assert tune.mtp_variants(lite, hw, Pins(), base) == [{}]  # no MTP layer, no knob
-    on = _plan("deepseek-r1", "8xH200", num_speculative_tokens=2).to_dict()
-    assert tune._describe(on).endswith("mtp=2") and tune._changes(on, base) >= 1
+    base_k = (base["serving"].get("speculative") or {}).get("num_speculative_tokens", 0)
+    k = 1 if base_k == 2 else 2  # a draft count the base plan does not use
+    on = _plan("deepseek-r1", "8xH200", num_speculative_tokens=k).to_dict()
+    assert tune._describe(on).endswith(f"mtp={k}") and tune._changes(on, base) >= 1
 
 
 def test_capacity_options_carry_the_serving_features():
@@ -350,10 +354,16 @@ def test_measured_acceptance_feeds_the_next_plan(tmp_path, monkeypatch):
     # What `vlaunch tune` measured for a model replaces the default acceptance in its next
     # plans: first 0.70, later 0.50 -> 1 + 0.70 x (1 + 0.5 + 0.25) = 2.225 tokens at k = 3.
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
-    assert S.acceptance(model="deepseek-r1").first == 0.85  # the table's default
-    S.record_acceptance("deepseek-r1", {"first": 0.70, "later": 0.50, "acceptance_length": 2.2})
+    assert S.acceptance(model="deepseek-r1").first == 0.81  # the table's default
+    # a record of an earlier vlaunch (no source: measured on random-token prompts) is ignored
+    (tmp_path / "mtp_acceptance.json").write_text('{"deepseek-r1": {"first": 0.95}}')
+    assert S.acceptance(model="deepseek-r1").first == 0.81
+    assert S.record_acceptance("deepseek-r1", {"first": 0.70}, source="") is None
+    S.record_acceptance("deepseek-r1", {"first": 0.70, "later": 0.50, "acceptance_length": 2.2},
+                        source="your --dataset chat.jsonl (40 prompts)")
     acc = S.acceptance(model="deepseek-r1")
     assert (acc.first, acc.later) == (0.70, 0.50) and "measured by vlaunch tune" in acc.source
+    assert "your --dataset chat.jsonl" in acc.source
     assert acc.tokens_per_step(3) == pytest.approx(2.225)
     assert S.acceptance(0.9, model="deepseek-r1").first == 0.9  # a pin still wins
     plan = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"),
@@ -362,4 +372,4 @@ def test_measured_acceptance_feeds_the_next_plan(tmp_path, monkeypatch):
     assert sp["acceptance"]["first"] == 0.70 and sp["tokens_per_step"] == pytest.approx(2.225)
     # a corrupt record is ignored, never trusted
     (tmp_path / "mtp_acceptance.json").write_text('{"deepseek-r1": {"first": "high"}}')
-    assert S.acceptance(model="deepseek-r1").first == 0.85
+    assert S.acceptance(model="deepseek-r1").first == 0.81

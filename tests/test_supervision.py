@@ -130,6 +130,14 @@ class Vlaunch:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def _wait_for_file(path: Path, timeout: float = 30) -> None:
+    """A handshake from the fake engine (FAKE_VLLM_INFLIGHT_FILE and the like)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"the fake engine never wrote {path}"
+        time.sleep(0.05)
+
+
 def _fake_pids(path: Path, timeout: float = 20) -> tuple[int, int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -168,11 +176,12 @@ def _lessons(tmp_path: Path) -> dict:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_during_smoke_request_ends_the_run_without_restart_or_lesson(env, model, tmp_path,
                                                                            sig):
-    env("slow_smoke", delay=30)
+    inflight = tmp_path / "inflight"
+    env("slow_smoke", delay=30, inflight_file=inflight)
     v = Vlaunch("serve", str(model), "--gpus", "cpu", "--kv-cache-dtype", "fp8", "--no-metrics",
                 "--stop-timeout", "1", "--log-dir", str(tmp_path), cwd=tmp_path)
     v.wait_for(r"vLLM is ready; planned vs actual")
-    time.sleep(0.5)  # the smoke request is in flight (it takes 30 s)
+    _wait_for_file(inflight)  # the fake has the smoke request (it answers in 30 s)
     os.kill(v.proc.pid, sig)
     assert v.finish() == 128 + sig, v.text
     assert "restarting" not in v.text and "attempt 2" not in v.text, v.text
@@ -544,7 +553,7 @@ def test_ray_worker_runs_ray_start_not_vllm(env, model, tmp_path, fake_ray):
 
 
 def test_ray_leader_starts_the_head_then_vllm(env, model, tmp_path, fake_ray):
-    env("ready", lifetime=1, argv_file=tmp_path / "argv.json")
+    env("ready", lifetime=1, lifetime_from="ready", argv_file=tmp_path / "argv.json")
     plan = _ray_plan(model)
     launch = build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=False)

@@ -116,6 +116,23 @@ def _dense_mlp(h: int, inter: int, layer: int, part: str = "mlp", loaded: bool =
     return t
 
 
+def _nextn_layers(block: Callable[..., list[Tensor]], layers: int, mtp: int, h: int,
+                  vocab: int) -> list[Tensor]:
+    """DeepSeek-style MTP layers, stored as model.layers.{layers + j}: a decoder block, eh_proj
+    over [embedding; hidden], three norms, and their own embedding and head copies. vLLM loads
+    them only for MTP speculative decoding, so they are stored-but-not-loaded."""
+    t: list[Tensor] = []
+    for j in range(mtp):
+        i = layers + j
+        t += [Tensor(x.name, x.rows, x.cols, x.count, x.shard, "mtp", x.layer, x.quant, x.dtype,
+                     x.heads, False) for x in block(i, loaded=False)]
+        t += [_linear("mtp.eh_proj", h, 2 * h, "replicated", "mtp", i, quant=False, loaded=False),
+              _vec("mtp.norms", 3 * h, "mtp", i, loaded=False),
+              _linear("mtp.embed_tokens", vocab, h, "vocab", "mtp", i, quant=False, loaded=False),
+              _linear("mtp.head", vocab, h, "vocab", "mtp", i, quant=False, loaded=False)]
+    return t
+
+
 def deepseek(c: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V2/V2-Lite/V3/R1/V3.1/V3.2 and Kimi-K2: MLA attention, DeepSeekMoE."""
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
@@ -136,14 +153,7 @@ def deepseek(c: dict[str, Any]) -> dict[str, Any]:
         t += block(i)
     t += [_vec("norm", h, "head", None),
           _linear("lm_head", vocab, h, "vocab", "head", None, quant=False)]
-    for j in range(mtp):  # stored as model.layers.{layers + j}; vLLM skips it without MTP
-        i = layers + j
-        t += [Tensor(x.name, x.rows, x.cols, x.count, x.shard, "mtp", x.layer, x.quant, x.dtype,
-                     x.heads, False) for x in block(i, loaded=False)]
-        t += [_linear("mtp.eh_proj", h, 2 * h, "replicated", "mtp", i, quant=False, loaded=False),
-              _vec("mtp.norms", 3 * h, "mtp", i, loaded=False),
-              _linear("mtp.embed_tokens", vocab, h, "vocab", "mtp", i, quant=False, loaded=False),
-              _linear("mtp.head", vocab, h, "vocab", "mtp", i, quant=False, loaded=False)]
+    t += _nextn_layers(block, layers, mtp, h, vocab)
     sparse = bool(c.get("index_topk"))
     return dict(
         tensors=tuple(t), num_layers=layers, hidden_size=h,
@@ -236,7 +246,10 @@ def _head(c: dict[str, Any], h: int, vocab: int, tied_default: bool) -> list[Ten
 
 
 def decoder(c: dict[str, Any]) -> dict[str, Any]:
-    """Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE: pre-norm GQA decoders."""
+    """Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE, Phi-3/Phi-4 (fused qkv and
+    gate_up, the same elements), Granite (multipliers, no extra weights), OLMo 2 (q/k RMSNorms
+    over all heads, norms after attention and MLP instead of before): pre-norm GQA decoders.
+    Also the generic estimate for a model_type the tables do not know."""
     c = _merged(c)
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     n = c["num_attention_heads"]
@@ -246,7 +259,8 @@ def decoder(c: dict[str, Any]) -> dict[str, Any]:
     moe_inter = c.get("moe_intermediate_size") or c.get("intermediate_size")
     sparse_step = c.get("decoder_sparse_step", 1) or 1
     dense_only = set(c.get("mlp_only_layers") or [])
-    qk_norm = "head" if c.get("model_type") in ("qwen3", "qwen3_moe") else ""
+    qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}.get(
+        str(c.get("model_type")), "")
     t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
     for i in range(layers):
         t += _gqa_attention(c, i, qk_norm=qk_norm)
@@ -485,6 +499,134 @@ def minimax_m2(c: dict[str, Any]) -> dict[str, Any]:
         intermediate_size=0)
 
 
+# --------------------------------------------------------------------------- Cohere Command-R
+
+
+def cohere(c: dict[str, Any]) -> dict[str, Any]:
+    """Cohere Command-R / R+ (cohere) and Command R7B / Command A (cohere2): one LayerNorm
+    (weight only) before attention and MLP, which run in parallel; q/k LayerNorms of shape
+    (heads, head_dim) when use_qk_norm (R+); embeddings tied by default (CohereConfig).
+    Cohere2's sliding-window layers are described by layer_kinds."""
+    c = _merged(c)
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    n = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or n
+    hd = c.get("head_dim") or h // n
+    qk_norm = "full" if c.get("use_qk_norm") else ""
+    t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
+    for i in range(layers):
+        t += _gqa_attention(c, i, qk_norm=qk_norm)
+        t.append(_vec("input_layernorm", h, "norm", i))
+        t += _dense_mlp(h, c["intermediate_size"], i)
+    t += _head(c, h, vocab, tied_default=True)
+    return dict(
+        tensors=tuple(t), num_layers=layers, hidden_size=h, num_heads=n, num_kv_heads=kv,
+        head_dim=hd, vocab_size=vocab, attention="gqa",
+        intermediate_size=c["intermediate_size"])
+
+
+# --------------------------------------------------------------------------- GLM-4.5 MoE
+
+
+def glm4_moe(c: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 / 4.5-Air (glm4_moe): GQA with q/k/v biases (attention_bias) and optional
+    per-head q/k RMSNorms (use_qk_norm), first_k_dense_replace dense layers, then DeepSeekMoE
+    layers (sigmoid router with an FP32 e_score_correction_bias, always present in vLLM's
+    Glm4MoE, and n_shared_experts shared experts), and DeepSeek-style MTP layers stored after
+    the decoder (num_nextn_predict_layers)."""
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    n = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or n
+    hd = c.get("head_dim") or h // n
+    k = c.get("first_k_dense_replace", 0) or 0
+    mtp = int(c.get("num_nextn_predict_layers") or 0)
+    qk_norm = "head" if c.get("use_qk_norm") else ""
+    moe = {**c, "topk_method": "noaux_tc"}
+    t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
+
+    def block(i: int, loaded: bool = True) -> list[Tensor]:
+        out = _gqa_attention(c, i, qkv_bias=bool(c.get("attention_bias")), qk_norm=qk_norm,
+                             loaded=loaded)
+        out.append(_vec("layernorms", 2 * h, "norm", i, loaded=loaded))
+        if c.get("n_routed_experts") and i >= k:
+            out += _deepseek_moe(moe, i, loaded)
+        else:
+            out += _dense_mlp(h, c["intermediate_size"], i, loaded=loaded)
+        return out
+
+    for i in range(layers):
+        t += block(i)
+    t += _head(c, h, vocab, tied_default=False)
+    t += _nextn_layers(block, layers, mtp, h, vocab)
+    return dict(
+        tensors=tuple(t), num_layers=layers, hidden_size=h, num_heads=n, num_kv_heads=kv,
+        head_dim=hd, vocab_size=vocab, attention="gqa",
+        num_experts=c.get("n_routed_experts") or 0,
+        experts_per_token=c.get("num_experts_per_tok") or 0,
+        moe_intermediate=c.get("moe_intermediate_size") or 0,
+        intermediate_size=c.get("intermediate_size") or 0, mtp_layers=mtp)
+
+
+# --------------------------------------------------------------------------- Llama 4
+
+
+def _llama4_vision(v: dict[str, Any], text_hidden: int) -> list[Tensor]:
+    """Llama 4's vision encoder: an unfolded-conv patch embedding (no bias), a class token, a
+    position table over (image_size / patch_size)^2 + 1 patches, LayerNorms before and after
+    the blocks, biased ViT blocks, a pixel-shuffle MLP (intermediate -> projector_input_dim ->
+    projector_output_dim, no biases) and the projector to the text width (vision_output_dim
+    -> hidden, no bias)."""
+    h, inter, ch, p = v["hidden_size"], v["intermediate_size"], v.get("num_channels", 3), \
+        v["patch_size"]
+    patches = (v["image_size"] // p) ** 2 + 1
+    t = _vision_linear("vision.patch_embedding", h, ch * p * p, 1, False)
+    t += [Tensor("vision.class_embedding", h, 1, 1, "replicated", "vision", None),
+          Tensor("vision.positional_embedding", patches, h, 1, "replicated", "vision", None),
+          Tensor("vision.layernorm_pre+post", 4 * h, 1, 1, "replicated", "vision", None)]
+    t += _vit_blocks(v["num_hidden_layers"], h, inter, norms=4, bias=True, gated=False)
+    pin, pout = v["projector_input_dim"], v["projector_output_dim"]
+    t += _vision_linear("vision.adapter.fc1", pin, inter, 1, False)
+    t += _vision_linear("vision.adapter.fc2", pout, pout, 1, False)
+    t += _vision_linear("projector.linear_1", text_hidden, v["vision_output_dim"], 1, False)
+    return t
+
+
+def llama4(c: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4 Scout / Maverick (llama4 with its vision tower, llama4_text): GQA with weightless
+    L2 q/k norms, chunked attention on RoPE layers (layer_kinds), MoE every
+    interleave_moe_layer_step-th layer (a router, routed SwiGLU experts of intermediate_size and
+    one shared expert of the same width), dense layers of intermediate_size_mlp between."""
+    text = _merged(c)
+    h, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
+    n = text["num_attention_heads"]
+    kv = text.get("num_key_value_heads") or n
+    hd = text.get("head_dim") or h // n
+    experts = text.get("num_local_experts") or 0
+    step = text.get("interleave_moe_layer_step", 1) or 0
+    inter = text["intermediate_size"]
+    t: list[Tensor] = [_linear("embed_tokens", vocab, h, "vocab", "embed", None, quant=False)]
+    for i in range(layers):
+        t += _gqa_attention(text, i, qkv_bias=bool(text.get("attention_bias")))
+        t.append(_vec("layernorms", 2 * h, "norm", i))
+        if experts and step > 0 and (i + 1) % step == 0:
+            t += [_linear("router", experts, h, "replicated", "router", i, quant=False),
+                  _linear("experts.gate_up", 2 * inter, h, "expert_column", "experts", i,
+                          count=experts),
+                  _linear("experts.down", h, inter, "expert_row", "experts", i, count=experts)]
+            t += _dense_mlp(h, inter, i, part="shared")
+        else:
+            t += _dense_mlp(h, text.get("intermediate_size_mlp") or inter, i)
+    t += _head(text, h, vocab, tied_default=False)
+    if c.get("vision_config") and c.get("text_config"):
+        t += _llama4_vision(c["vision_config"], h)
+    return dict(
+        tensors=tuple(t), num_layers=layers, hidden_size=h, num_heads=n, num_kv_heads=kv,
+        head_dim=hd, vocab_size=vocab, attention="gqa", num_experts=experts,
+        experts_per_token=text.get("num_experts_per_tok") or 0,
+        moe_intermediate=inter if experts else 0,
+        intermediate_size=text.get("intermediate_size_mlp") or inter)
+
+
 # --------------------------------------------------------------------------- Qwen3.5 hybrid
 
 
@@ -549,8 +691,8 @@ def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
         return tuple(names.get(x, "full") for x in c["layer_types"][:layers])
     if mt == "gemma2":
         return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
-    if mt.startswith("gemma3"):
-        every = int(c.get("sliding_window_pattern") or 6)
+    if mt.startswith("gemma3") or mt == "cohere2":
+        every = int(c.get("sliding_window_pattern") or (4 if mt == "cohere2" else 6))
         return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
     if mt.startswith("llama4") and c.get("attention_chunk_size"):
         nope = c.get("no_rope_layers") or [int((i + 1) % 4 != 0) for i in range(layers)]
@@ -665,4 +807,12 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_5_text": qwen3_5,
     "qwen3_5_moe": qwen3_5,
     "qwen3_5_moe_text": qwen3_5,
+    "phi3": decoder,
+    "granite": decoder,
+    "olmo2": decoder,
+    "cohere": cohere,
+    "cohere2": cohere,
+    "glm4_moe": glm4_moe,
+    "llama4": llama4,
+    "llama4_text": llama4,
 }

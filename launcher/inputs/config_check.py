@@ -26,12 +26,15 @@ POSITIVE = (
     "sliding_window_pattern", "sliding_window", "depth", "num_heads", "patch_size",
     "spatial_merge_size", "temporal_patch_size", "image_size", "num_position_embeddings",
     "out_hidden_size", "in_channels", "num_channels",
+    "intermediate_size_mlp", "attention_chunk_size", "vision_output_dim", "projector_input_dim",
+    "projector_output_dim",
 )
 # Counts where 0 legitimately means "none" (dense models, no MTP, no shared expert).
 NON_NEGATIVE = (
     "n_routed_experts", "num_local_experts", "num_experts", "n_shared_experts",
     "shared_expert_intermediate_size", "shared_intermediate_size", "first_k_dense_replace",
     "num_nextn_predict_layers", "mtp_num_hidden_layers", "index_topk", "q_lora_rank",
+    "interleave_moe_layer_step",  # Llama 4: 0 means no MoE layer
 )
 # Each layer becomes tensor groups: a bound keeps a nonsense config from exhausting memory.
 # The deepest published decoders have a few hundred layers.

@@ -1,7 +1,8 @@
 """Models: where a config comes from, and the weights it implies.
 
 A model is read from a built-in profile (`profiles/models/*.yaml`, config.json keys plus a little
-metadata), a local Hugging Face directory, or a path to a config.json. Its weights are described
+metadata), a local Hugging Face directory, a path to a config.json, or a Hugging Face id found in
+the local HF cache or on the Hub (launcher/inputs/hub.py). Its weights are described
 as a list of `Tensor` groups, each knowing how vLLM shards it (column/row-parallel, vocab-parallel,
 replicated, per-expert) and whether the checkpoint's quantization covers it. Counting parameters,
 weight bytes and per-rank bytes are then simple sums in `launcher.predict.budget`; nothing
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..paths import profiles_dir, read_yaml
-from .arch import ARCHITECTURES, Tensor
+from .arch import ARCHITECTURES, Tensor, decoder
 from .config_check import check_config
 
 __all__ = ["ModelSpec", "Quant", "Tensor", "load_model", "list_profiles"]
@@ -82,6 +83,23 @@ class ModelSpec:
     distill_of: str | None = None
     advertised_context: int | None = None
     mtp_layers: int = 0
+    revision: str | None = None  # Hub revision as the user gave it (passed to vLLM unchanged)
+    commit: str | None = None  # the Hub commit the config and weights came from
+    source: str = "local"  # profile | local | hf-cache | vlaunch-cache | hub
+    estimate: str = "architecture"  # architecture | generic (model_type not in the tables)
+    params_by_dtype: tuple[tuple[str, int], ...] = ()  # exact, from safetensors headers
+
+    def provenance(self) -> dict[str, Any]:
+        """Where the model came from, for the plan: a plan made from the Hub names the commit
+        it used, and a generic estimate says so."""
+        out: dict[str, Any] = {"source": self.source, "estimate": self.estimate}
+        if self.commit:
+            out["revision"] = self.revision
+            out["commit"] = self.commit
+        if self.params_by_dtype:
+            out["params_by_dtype"] = dict(self.params_by_dtype)
+            out["checkpoint_params"] = sum(n for _, n in self.params_by_dtype)
+        return out
 
     @property
     def is_moe(self) -> bool:
@@ -143,15 +161,32 @@ def max_context(cfg: dict[str, Any]) -> int:
     return int(value)
 
 
+# What a decoder config must state for the generic estimate of an unknown model_type.
+GENERIC_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                  "intermediate_size")
+
+
+def _generic(cfg: dict[str, Any], model_type: str, name: str) -> None:
+    """An unknown model_type is estimated as a pre-norm GQA decoder from the standard fields;
+    without one of them there is nothing to estimate from, and the refusal names it."""
+    text = {**cfg, **(_text_config(cfg) if isinstance(cfg.get("text_config"), dict) else {})}
+    missing = next((k for k in GENERIC_FIELDS if text.get(k) is None), None)
+    if missing:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise InputError(f"cannot size {name}: model_type '{model_type or '?'}' is not one "
+                         f"vlaunch knows and config.json has no {missing} for a generic decoder "
+                         f"estimate; known model_type values: {known}")
+
+
 def spec_from_config(cfg: dict[str, Any], name: str, **meta: Any) -> ModelSpec:
     """Build a ModelSpec from config.json contents (profiles hold the same keys)."""
     model_type = str(cfg.get("model_type") or "")
     arch = ARCHITECTURES.get(model_type)
-    if arch is None:
-        known = ", ".join(sorted(ARCHITECTURES))
-        raise InputError(f"cannot count parameters of architecture '{model_type or '?'}' "
-                         f"({name}); supported model_type values: {known}")
     check_config(cfg, name)
+    if arch is None:
+        _generic(cfg, model_type, name)
+        arch = decoder
+        meta["estimate"] = "generic"
     try:
         shapes = arch(cfg)
     except (KeyError, TypeError, ValueError) as e:
@@ -196,7 +231,7 @@ def _load_profile(path: Path) -> ModelSpec:
                             description=data.get("description", ""),
                             distill_of=data.get("distill_of"),
                             advertised_context=data.get("advertised_context"),
-                            checkpoint_bytes=data.get("checkpoint_bytes"))
+                            checkpoint_bytes=data.get("checkpoint_bytes"), source="profile")
 
 
 def _load_dir(path: Path) -> ModelSpec:
@@ -225,7 +260,8 @@ def _load_dir(path: Path) -> ModelSpec:
     elif (folder / "model.safetensors").is_file():
         total = _safetensors_payload(folder / "model.safetensors")
     return spec_from_config(cfg, name=folder.name, hf_id=str(folder.resolve()),
-                            checkpoint_bytes=total, path=str(folder.resolve()))
+                            checkpoint_bytes=total, path=str(folder.resolve()),
+                            params_by_dtype=_header_counts(folder))
 
 
 _MAX_CONFIG_BYTES = 16 << 20
@@ -256,6 +292,27 @@ def finite_json_loads(text: str) -> object:
     error reports them instead of arithmetic on them failing with a traceback much later."""
     return json.loads(text, parse_constant=_nonfinite, parse_float=_finite_float,
                       parse_int=_bounded_int)
+
+
+def _header_counts(folder: Path) -> tuple[tuple[str, int], ...]:
+    """Exact elements per dtype from the safetensors headers of a local checkpoint, when every
+    file is there (a folder holding only config.json has none)."""
+    from .hub import safetensors_header_counts
+
+    files = [folder / "model.safetensors"]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text(encoding="utf-8"))  # _index_total checked it
+        wmap = data.get("weight_map")
+        files = [folder / str(f) for f in sorted(set(wmap.values()))] \
+            if isinstance(wmap, dict) and wmap else []
+    if not files or not all(f.is_file() for f in files):
+        return ()
+    total: dict[str, int] = {}
+    for f in files:
+        for dtype, n in safetensors_header_counts(f).items():
+            total[dtype] = total.get(dtype, 0) + n
+    return tuple(sorted(total.items()))
 
 
 def _index_total(index: Path) -> int | None:
@@ -296,14 +353,41 @@ def _safetensors_payload(path: Path) -> int | None:
     return size - 8 - header
 
 
-def load_model(ref: str) -> ModelSpec:
-    """A profile name, an HF repo id of a profile, a model directory or a config.json path."""
+def load_model(ref: str, revision: str | None = None) -> ModelSpec:
+    """A model the way `vllm serve REF` finds it: a local folder or config.json; a profile
+    name; an ORG/NAME id from the local HF cache or vlaunch's cache of earlier lookups, then
+    the profile that carries that id (an offline alias), then the Hub (launcher/inputs/hub.py,
+    which imports huggingface_hub only when it must reach the network). --revision pins a Hub
+    branch, tag or commit: it skips the profile alias, whose config has no commit."""
+    from . import hub
+
     p = Path(ref).expanduser()
     if p.exists():
+        if revision is not None:
+            raise InputError(f"--revision applies to Hugging Face ids, not to the local path "
+                             f"{ref}")
         return _load_dir(p)
     hit = _profiles().get(ref.lower())
+    if hit is not None and "/" not in ref:
+        if revision is None:
+            return _load_profile(hit)
+        ref = str(read_yaml(hit).get("hf_id") or ref)
+    if hub.is_repo_id(ref):
+        found = hub.cached(ref, revision)
+        if found is None and hit is not None and revision is None:
+            return _load_profile(hit)
+        return _load_hub(found or hub.fetch(ref, revision))
     if hit is not None:
         return _load_profile(hit)
     names = ", ".join(sorted(k for k in _profiles() if "/" not in k))
-    raise InputError(f"unknown model '{ref}': not a local path and not a profile; "
-                     f"profiles: {names}")
+    raise InputError(f"unknown model '{ref}': not a local path, not a profile and not a "
+                     f"Hugging Face id (ORG/NAME); profiles: {names}")
+
+
+def _load_hub(m: Any) -> ModelSpec:
+    """A ModelSpec from a hub.HubModel: the safetensors counts, when known, are the weights'
+    truth (checkpoint_bytes rescales the counted tensors, whatever the architecture)."""
+    params = tuple(sorted((m.params_by_dtype or {}).items()))
+    return spec_from_config(copy.deepcopy(m.config), name=m.repo_id, hf_id=m.repo_id,
+                            checkpoint_bytes=m.checkpoint_bytes, revision=m.revision,
+                            commit=m.commit, source=m.source, params_by_dtype=params)

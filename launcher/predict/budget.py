@@ -244,10 +244,6 @@ class KVSpec:
     kind: str  # mla | mla_sparse | gqa
     bytes_per_layer: int
 
-    def page_bytes(self, block_size: int, layers: int) -> int:
-        """One block of `block_size` tokens over `layers` layers (a uniform group's page)."""
-        return block_size * self.bytes_per_layer * layers
-
 
 def kv_dtype_bytes(kv_dtype: str, model_dtype_bytes: int) -> int:
     return 1 if kv_dtype.startswith("fp8") else model_dtype_bytes

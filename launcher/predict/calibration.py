@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
+from . import perf
 
 
 def _store() -> Path:
@@ -43,15 +44,14 @@ def plan_key(d: dict[str, Any]) -> str:
                bool(p["expert_parallel"]), d["kv_cache"]["dtype"], d["vllm_version"])
 
 
-def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path:
-    """Add measured points for the engine of plan `d`, refit its scales, save atomically."""
-    from . import perf
-    from .perfplan import shape_from_plan
-
+def record(d: dict[str, Any], points: list[dict[str, Any]], source: str,
+           shape: perf.EngineShape | None) -> Path:
+    """Add measured points for the engine of plan `d`, refit its scales, save atomically.
+    `shape` is that engine as the performance model sees it (planshape.shape_from_plan; None:
+    no speed facts, the points are kept unfitted)."""
     k = plan_key(d)
     engine = {"max_num_seqs": d.get("max_num_seqs"),
               "max_num_batched_tokens": d.get("max_num_batched_tokens")}
-    shape = shape_from_plan(d)
 
     def add(data: dict[str, Any]) -> None:
         # Merged with what is on disk now, under the cache's lock: another tune's points for
@@ -70,7 +70,9 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str) -> Path
         if cal:
             entry.update(fixed_scale=cal.fixed_scale, roofline_scale=cal.roofline_scale,
                          prefill_scale=cal.prefill_scale, request_scale=cal.request_scale,
-                         median_error=cal.median_error)
+                         median_error=cal.median_error,
+                         median_error_uncalibrated=cal.uncalibrated_error,
+                         fit_loss=cal.loss, fit_loss_uncalibrated=cal.loss_uncalibrated)
         data[k] = entry
 
     return update_json_object(_store(), add)
@@ -98,7 +100,8 @@ def _usable(k: str, entry: Any) -> bool:
         return False  # points recorded without a fit yet: nothing to use, nothing wrong
     ok = (all(_number(entry.get(f)) and entry[f] > 0 for f in ("fixed_scale", "roofline_scale"))
           and all(_number(entry.get(f, 1.0)) and entry.get(f, 1.0) >= 0
-                  for f in ("prefill_scale", "request_scale", "median_error"))
+                  for f in ("prefill_scale", "request_scale", "median_error",
+                            "median_error_uncalibrated", "fit_loss", "fit_loss_uncalibrated"))
           and isinstance(entry.get("points", []), list)
           and all(isinstance(entry.get(f, ""), str) for f in ("family", "recorded_at")))
     if not ok:

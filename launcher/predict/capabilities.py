@@ -74,7 +74,6 @@ class VersionTraits:
     cudagraph_in_kv_budget: bool
     engine: str
     mla_cache_align: int = 0
-    block_fp8_gemm_scale: float = 1.0  # speed of block-FP8 GEMMs relative to later releases
     features: frozenset[str] = frozenset()  # names from profiles' vllm_features this has
     newer_than_modelled: bool = False  # planned as the newest modelled release
 
@@ -83,11 +82,6 @@ class VersionTraits:
         if feature not in table()["vllm_features"]:
             raise KeyError(f"no version gate named {feature!r} in profiles/capabilities.yaml")
         return feature in self.features
-
-
-def feature_since(feature: str) -> str:
-    """The first vLLM release with a feature (profiles/capabilities.yaml vllm_features)."""
-    return str(table()["vllm_features"][feature]["since"])
 
 
 def gate_reason(feature: str, version: str) -> str:
@@ -106,8 +100,7 @@ def version_traits(version: str) -> VersionTraits:
         if v >= parse_version(row["since"]):
             return VersionTraits(version, float(row["default_gpu_memory_utilization"]),
                                  bool(row["cudagraph_in_kv_budget"]), row["engine"],
-                                 int(row.get("mla_cache_align", 0)),
-                                 float(row.get("block_fp8_gemm_scale", 1.0)), features, newer)
+                                 int(row.get("mla_cache_align", 0)), features, newer)
     raise InputError(f"no capability row for vLLM {version}")
 
 

@@ -267,7 +267,3 @@ def context_bytes_per_token(layers: list[LayerCache]) -> int:
     reads per token of context (sliding and state layers read a bounded amount)."""
     return sum(s.per_token for s in layers if s.grows_with_context())
 
-
-def full_equivalent_per_token(layers: list[LayerCache]) -> int:
-    """Bytes per token if every attention layer cached every token (the pre-hybrid count)."""
-    return sum(s.per_token for s in layers if not isinstance(s, State))

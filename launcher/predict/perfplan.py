@@ -68,12 +68,10 @@ class Assessment:
         if self.knee is None:
             return f"misses the SLO even alone (TPOT {self.single.tpot_ms:.1f} ms)"
         k = self.knee
-        return (f"{k.output_tokens_per_s:,.0f} output tok/s at {k.concurrency:,.0f} concurrent "
-                f"within the SLO (TPOT {k.tpot_ms:.1f} ms, TTFT {k.ttft_ms:,.0f} ms)")
-
-
-def gemm_scale(spec: ModelSpec, traits: Any) -> float:
-    return traits.block_fp8_gemm_scale if spec.quant.method == "fp8_block" else 1.0
+        lo, hi = perf.value_range("output_tokens_per_s", k.output_tokens_per_s)
+        return (f"{k.output_tokens_per_s:,.0f} output tok/s (likely {lo:,.0f}-{hi:,.0f}) at "
+                f"{k.concurrency:,.0f} concurrent within the SLO (TPOT {k.tpot_ms:.1f} ms, "
+                f"TTFT {k.ttft_ms:,.0f} ms)")
 
 
 def _constants_for(spec: ModelSpec, hw: Hardware, cand: Any, version: str
@@ -106,7 +104,7 @@ def assess(spec: ModelSpec, hw: Hardware, cand: Any, traits: Any, chunked: bool,
     constants, source, notes = _constants_for(spec, hw, cand, traits.version)
     shape = perf.engine_shape(spec, hw, cand.layout, cand.kv_bytes_per_token, cand.tokens,
                               cand.max_num_seqs, cand.max_num_batched_tokens, chunked,
-                              constants, gemm_scale(spec, traits))
+                              constants, v0=traits.engine == "v0")
     if shape is None:
         return None
     return assessment_for(shape, workload, slo, concurrency, source, notes, cand)
@@ -155,6 +153,19 @@ def knee_seqs(a: Assessment) -> int | None:
     return max(1, math.floor(a.knee.concurrency / a.shape.dp))
 
 
+def performance_range(a: Assessment) -> dict[str, Any]:
+    """What the figures at the operating point may really be: the held-out spread of the
+    published rows (perf.HELD_OUT_SPREAD) around the prediction; a calibrated engine keeps the
+    same spread (the calibration's own fit error is in the notes)."""
+    p = a.knee or a.at
+    tput = perf.value_range("output_tokens_per_s", p.output_tokens_per_s)
+    tpot = perf.value_range("tpot_ms", p.tpot_ms)
+    return {"low": round(tput[0], 1), "high": round(tput[1], 1), "of": "output_tokens_per_s",
+            "tpot_ms": {"low": round(tpot[0], 2), "high": round(tpot[1], 2)},
+            "basis": "10th-90th percentile of leave-one-source-out error on published vLLM "
+                     "rows (bench/perf_fit.py)"}
+
+
 def performance_dict(a: Assessment | None, objective: str, workload: Workload, slo: SLO
                      ) -> dict[str, Any] | None:
     if a is None:
@@ -164,23 +175,7 @@ def performance_dict(a: Assessment | None, objective: str, workload: Workload, s
             "assumed_workload": workload.assumed,
             "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
             "at": a.at.to_dict(), "knee": a.knee.to_dict() if a.knee else None,
+            "range": performance_range(a),
             "binding": a.binding, "single_request": a.single.to_dict(),
             "curve": [p.to_dict() for p in a.curve],
             "notes": a.notes}
-
-
-def shape_from_plan(d: dict[str, Any]) -> perf.EngineShape | None:
-    """Rebuild the performance model's engine from a plan dict (for calibration records)."""
-    from .budget import Layout
-    from .capabilities import version_traits
-    from .planner import inputs_from_plan
-
-    spec, hw, _ = inputs_from_plan(d)
-    p, kv = d["parallel"], d["kv_cache"]
-    layout = Layout(p["tp"], p["pp"], p["dp"], bool(p["expert_parallel"]), p.get("nodes", 1))
-    traits = version_traits(d["vllm_version"])
-    return perf.engine_shape(spec, hw, layout, kv["bytes_per_token"], kv["tokens"],
-                             d["max_num_seqs"], d["max_num_batched_tokens"],
-                             bool(d["enable_chunked_prefill"]), perf.DEFAULT,
-                             gemm_scale(spec, traits))
-

@@ -185,6 +185,8 @@ class Plan:
         args = ["--model", self.model.path or self.model.hf_id]
         if self.model.path:
             args += ["--served-model-name", self.model.name]
+        elif self.model.revision:  # the Hub revision as the user gave it, like the id
+            args += ["--revision", self.model.revision]
         args += ["--tensor-parallel-size", str(L.tp)]
         if L.pp > 1:
             args += ["--pipeline-parallel-size", str(L.pp)]
@@ -234,7 +236,8 @@ class Plan:
                       "params": B.param_count(m),
                       "weights_bytes": round(B.weights_bytes(m) * B.checkpoint_scale(m)),
                       "quantization": m.quant.method, "path": m.path,
-                      "max_context": m.max_context, "attention": m.attention},
+                      "max_context": m.max_context, "attention": m.attention,
+                      **m.provenance()},
             "gpus": {"name": hw.kind.name, "count": hw.count, "nodes": hw.nodes,
                      "gpus_per_node": hw.gpus_per_node, "total_bytes": hw.total_bytes,
                      "free_bytes": hw.free_bytes, "source": hw.source,
@@ -608,6 +611,19 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     reasons: list[str] = []
     warnings: list[str] = list(hw.notes)
     _version_notes(spec, pins, traits, reasons, warnings)
+    if spec.commit:
+        where = {"hf-cache": "the local HF cache", "vlaunch-cache": "vlaunch's cache of the Hub",
+                 "hub": "the Hub"}.get(spec.source, spec.source)
+        reasons.append(f"model {spec.hf_id} at commit {spec.commit[:12]}"
+                       + (f" (revision {spec.revision})" if spec.revision else "")
+                       + f", from {where}"
+                       + (": weights from the safetensors metadata" if spec.params_by_dtype
+                          else ""))
+    if spec.estimate == "generic":
+        warnings.append(f"{spec.name}: model_type '{spec.architecture}' is not in vlaunch's "
+                        "tables; shapes are a generic decoder estimate from config.json"
+                        + (", weights from the safetensors metadata" if spec.checkpoint_bytes
+                           else ""))
     if pins.max_model_len and pins.max_model_len > spec.max_context:
         raise InputError(f"--max-model-len {pins.max_model_len:,} exceeds {spec.name}'s context "
                          f"of {spec.max_context:,} tokens (vLLM refuses it without "
@@ -854,7 +870,12 @@ def inputs_from_plan(d: dict[str, Any]) -> tuple[ModelSpec, Hardware, Pins]:
     from .plan_check import check_plan
 
     check_plan(d)  # one line naming a missing or mistyped field, not a KeyError
-    spec = load_model(d["model"].get("path") or d["model"]["hf_id"])
+    m = d["model"]
+    # the commit the plan was made from: exec re-plans that config, offline from the cache
+    spec = load_model(m.get("path") or m["hf_id"],
+                      None if m.get("path") else (m.get("commit") or m.get("revision")))
+    if m.get("commit") and not m.get("path"):  # vLLM still gets the revision the user gave
+        spec = replace(spec, revision=m.get("revision"))
     g = d["gpus"]
     hw = parse_gpus("cpu" if g["platform"] == "cpu" else
                     f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}")

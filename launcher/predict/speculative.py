@@ -50,6 +50,7 @@ from ..inputs.model import ModelSpec
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
 from . import budget as B
 from . import perf
+from .mtp import Acceptance, draft_shape, speculative_shape  # noqa: F401 - re-exported
 from .rebudget import rebudget
 from .serving_flags import at_least, table
 
@@ -66,22 +67,6 @@ def mtp_table() -> dict[str, Any]:
     return table()["speculative"]["mtp"]
 
 
-@dataclass(frozen=True)
-class Acceptance:
-    first: float
-    later: float
-    source: str
-
-    def tokens_per_step(self, k: int) -> float:
-        """Expected tokens a verified step yields per request: the bonus token plus each draft
-        position accepted, a chain (a draft counts only if every one before it did)."""
-        if k <= 0:
-            return 1.0
-        p = self.later
-        chain = k if p >= 1 else (1 - p ** k) / (1 - p)
-        return 1.0 + self.first * chain
-
-
 def acceptance(pinned: float | None = None, model: str | None = None) -> Acceptance:
     """A pin wins; then what `vlaunch tune` measured for this model; then the table's default."""
     t = mtp_table()["acceptance"]
@@ -94,7 +79,8 @@ def acceptance(pinned: float | None = None, model: str | None = None) -> Accepta
     seen = measured_for(model) if model else None
     if seen is not None:
         return Acceptance(seen["first"], seen.get("later", min(later, seen["first"])),
-                          f"measured by vlaunch tune ({seen.get('recorded_at', '?')}, "
+                          f"measured by vlaunch tune on {seen['source']} "
+                          f"({seen.get('recorded_at', '?')}, "
                           f"acceptance length {seen.get('acceptance_length', 0):.2f})")
     return Acceptance(first, later, f"{t['first_source']}; later drafts: {t['later_source']}")
 
@@ -103,13 +89,15 @@ def _acceptance_store() -> Path:
     return cache_dir() / "mtp_acceptance.json"
 
 
-def record_acceptance(model: str, measured: dict[str, float]) -> Path | None:
+def record_acceptance(model: str, measured: dict[str, Any], *, source: str) -> Path | None:
     """Keep what vLLM's benchmark measured for a model's MTP draft, for its next plans: the
-    acceptance belongs to the model and its workload, not to the GPU or layout."""
-    if not (0 < float(measured.get("first", 0)) <= 1):
+    acceptance belongs to the model and its workload, not to the GPU or layout. `source`
+    names the prompts it was measured on (natural text; `run/tune_acceptance.py`)."""
+    if not (0 < float(measured.get("first", 0)) <= 1) or not source:
         return None
-    entry = {k: float(v) for k, v in measured.items() if k in ("first", "later",
-                                                              "acceptance_length")}
+    entry: dict[str, Any] = {k: float(v) for k, v in measured.items()
+                             if k in ("first", "later", "acceptance_length")}
+    entry["source"] = source
     entry["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     def add(data: dict[str, Any]) -> None:
@@ -120,8 +108,12 @@ def record_acceptance(model: str, measured: dict[str, float]) -> Path | None:
 
 def measured_for(model: str) -> dict[str, Any] | None:
     """The recorded acceptance of `model`, if a well-formed one exists (a corrupt cache is
-    reported and ignored)."""
+    reported and ignored). A record without a `source` was measured by an earlier vlaunch on
+    random-token prompts, which inflate acceptance: ignored, not trusted."""
     entry = read_json_object(_acceptance_store()).get(model)
+    if isinstance(entry, dict) and not (isinstance(entry.get("source"), str)
+                                        and entry["source"]):
+        return None
     ok = (isinstance(entry, dict)
           and all(isinstance(entry.get(f), (int, float)) and not isinstance(entry.get(f), bool)
                   and 0 < entry[f] <= 1 for f in ("first",))
@@ -267,65 +259,6 @@ def with_draft(spec: ModelSpec, cand: Any, c: Cost, kv_pinned: bool,
 
 
 # ----------------------------------------------------------------------------- speed
-
-
-def draft_shape(spec: ModelSpec, base: perf.EngineShape, layout: B.Layout, kv_dtype: str
-                ) -> perf.EngineShape:
-    """The MTP layer as an engine of its own: one (MoE) layer whose logits read the shared
-    lm_head, on the target's TP/EP ranks (draft TP = target TP: SpeculativeConfig
-    _verify_and_get_draft_tp)."""
-    dense_b = expert_b = dense_p = expert_p = 0.0
-    for t in spec.tensors:
-        if t.part != "mtp" or t.name == "mtp.embed_tokens":
-            continue
-        size = B.tensor_bytes(t, spec.quant, spec.dtype_bytes) * B.shard_fraction(
-            t, layout, spec.vocab_size)
-        expert = t.shard.startswith("expert")
-        if expert:
-            expert_b += size
-            expert_p += t.elements
-        else:
-            dense_b += size
-            dense_p += t.elements if t.cols > 1 else 0
-    gpus = layout.tp
-    active = expert_p * spec.experts_per_token / spec.num_experts if spec.is_moe else 0.0
-    per_layer_attn = base.layers and base.attn_decode_flops / base.layers
-    return dataclasses.replace(
-        base, pp=1, layers=spec.mtp_layers, moe_layers=spec.mtp_layers if expert_p else 0,
-        dense_bytes=dense_b, expert_bytes=expert_b,
-        dense_flops_per_token=2.0 * dense_p / gpus, expert_flops_per_token=2.0 * active / gpus,
-        attn_decode_flops=per_layer_attn * spec.mtp_layers,
-        kv_bytes_per_token=kv_bytes_per_token(spec, kv_dtype, layout),
-        cross_node_pp=False, spec_tokens=0, spec_yield=1.0, draft=None)
-
-
-def draft_seconds(s: perf.EngineShape, batch: float, ctx: float) -> float:
-    """The k draft passes of one step: the first over every verified token (1 + k per request,
-    the proposer's padded batch), the rest over one token per request
-    (llm_base_proposer.propose)."""
-    d = s.draft
-    if d is None or not s.spec_tokens:
-        return 0.0
-    b = max(batch, 1e-9)
-    ep = s.dp if s.expert_parallel else 1
-    total = 0.0
-    for i in range(s.spec_tokens):
-        tokens = b * (1 + s.spec_tokens) if i == 0 else b
-        fixed, mem, comp = perf.step_parts(d, tokens, b * ctx, tokens * ep,
-                                           tokens * ctx * d.attn_decode_flops)
-        total += fixed + max(mem, comp)
-    return total
-
-
-def speculative_shape(spec: ModelSpec, shape: perf.EngineShape, layout: B.Layout,
-                      kv_dtype: str, k: int, acc: Acceptance) -> perf.EngineShape:
-    """The engine with MTP: k drafts verified per step, the expected yield, the draft's passes;
-    a decode batch is at most max_num_batched_tokens / (1 + k) requests (the scheduler counts
-    every draft token against the token budget)."""
-    seqs = min(shape.max_num_seqs, max(1, shape.max_num_batched_tokens // (1 + k)))
-    return dataclasses.replace(shape, spec_tokens=k, spec_yield=acc.tokens_per_step(k),
-                               draft=draft_shape(spec, shape, layout, kv_dtype),
-                               max_num_seqs=seqs)
 
 
 def reassess(a: Any, shape: perf.EngineShape, workload: Any, slo: Any,

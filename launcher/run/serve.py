@@ -295,6 +295,13 @@ def _refuse_busy_port(runner: VllmRunner) -> None:
             "left by an earlier run?); stop it or give a free --port")
 
 
+_NEXT = "next attempt"
+_GIVE_UP = "give up"
+Verdict = str | None
+"""What an attempt leaves to the loop: _NEXT (start again with the new pins and flags),
+_GIVE_UP (no further attempt helps), or None (the run is over; `result` says how)."""
+
+
 def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           max_attempts: int = 3, quiet: bool = False, verbose: bool = False,
           dry_run: bool = False, metrics_port: int | None = 9400,
@@ -307,169 +314,237 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           host: str | None = None) -> ServeResult:
     """Run the whole loop; returns when vLLM exits (or start-up finally failed, or a signal
     stopped it: exit code 128 + the signal, no restart, nothing learnt)."""
-    result = ServeResult(exit_code=1)
-    pins, extra, pin_notes = pins_from_extra(pins, list(extra))
-    for n in pin_notes:
-        out(f"vlaunch: {n}")
-    if warning := command_line_warning(extra):
-        out(f"vlaunch: {warning}")
-    original = pins
-    exporter = None
-    say = (lambda s: None) if quiet else out  # noqa: E731
-    # One API port for every attempt, so the exporter (up from the start, showing
-    # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
-    user_port = arg_value(extra, "--port")
-    api_port = int(user_port) if user_port else (port or free_port())
-    transient_retried = False
-    run_id = new_run_id()
-    try:
-        for number in range(1, max_attempts + 1):
-            plan = make_plan(spec, hw, pins, **(goals or {}))
-            if plan_hook:
-                plan = plan_hook(plan)
-            d = plan.to_dict()
-            result.plan = d
-            if number == 1:
-                say(plan_text(d))
-            if not plan.fits:
-                out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
-                result.exit_code = 3
-                return result
-            args, notes = merge_args(serve_both_names(d["vllm_args"]), extra)
-            if "--port" not in args:
-                args += ["--port", str(api_port)]
-            args = with_host(args, host)  # loopback unless the user chose a host
-            if number == 1 and (warning := exposure_warning(args, d["env"])):
-                out(f"vlaunch: {warning}")
-            args = with_drain(args, d.get("vllm_version"), stop_timeout)
-            for n in notes:
-                out(f"vlaunch: {n}")
-            env = dict(d["env"])
-            if d["kv_cache"].get("pinned"):
-                # A legacy VLLM_CPU_KVCACHE_SPACE in our environment would replace the pinned
-                # bytes.
-                os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            if dry_run:
-                runner = VllmRunner(args, env=env)
-                out(" ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(env).items()) + " "
-                    + " ".join(shlex.quote(a) for a in redact_args(runner.argv)))
-                result.exit_code = 0
-                return result
-            deadline = startup_timeout or (STARTUP_SECONDS_BASE
-                                           + d["model"]["weights_bytes"]
-                                           / STARTUP_BYTES_PER_SECOND)
-            log_path = (log_dir or Path.cwd()) / f"vllm-{run_id}-attempt{number}.log"
-            started = time.monotonic()
-            phases: list[str] = []
+    loop = _ServeLoop(spec, hw, pins, list(extra), max_attempts=max_attempts, quiet=quiet,
+                      verbose=verbose, dry_run=dry_run, metrics_port=metrics_port,
+                      metrics_bind=metrics_bind, log_dir=log_dir, goals=goals or {},
+                      startup_timeout=startup_timeout, port=port, stop_timeout=stop_timeout,
+                      out=out, plan_hook=plan_hook, host=host)
+    return loop.run()
 
-            def on_phase(phase: str, started: float = started,
-                         phases: list[str] = phases) -> None:
-                phases.append(phase)
-                if not quiet:
-                    out(f"  [{time.monotonic() - started:6.1f}s] {phase}")
 
-            runner = VllmRunner(args, env=env, log_path=log_path, on_phase=on_phase,
-                                echo=prefixed_echo() if verbose else None,
-                                startup_timeout=deadline, grace_period=stop_timeout)
-            _refuse_busy_port(runner)
-            if metrics_port is not None and exporter is None:
-                exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out,
-                                           deadline)
-            elif exporter is not None:
-                exporter.plan = d
-                exporter.record_restart()
-            say(f"vlaunch: attempt {number}/{max_attempts}: starting vLLM (log: {log_path})")
-            with runner, runner.forward_signals():
-                try:
-                    runner.start()
-                except OSError as e:
-                    out(f"vlaunch: cannot run {shlex.join(runner.program)}: "
-                        f"{e.strerror or e}; is vLLM installed? ({VLLM_COMMAND_ENV} sets the "
-                        "command)")
-                    result.attempts.append(Attempt(number, args, "not started", str(e)))
-                    result.exit_code = 127
-                    return result
-                outcome = runner.wait_ready()
-                if runner.interrupted is not None:
-                    result.attempts.append(Attempt(number, args, "interrupted"))
-                    runner.stop()
-                    result.exit_code = _ended_by_signal(runner, out)
-                    return result
-                if not outcome.ready:
-                    failure = outcome.failure
-                    detail = (failure.message if failure
-                              else f"{outcome.reason} (rc {outcome.returncode})")
-                    result.attempts.append(Attempt(number, args, "failed", detail))
-                    out(f"vlaunch: attempt {number} failed: {detail}")
-                    explain_failure(runner, outcome, out)
-                    step = next_attempt(pins, plan, failure, extra, transient_retried)
-                    if step is None or number == max_attempts:
-                        break
-                    pins, extra, why, same_flags = step
-                    transient_retried = transient_retried or same_flags
-                    out(f"vlaunch: re-planning: {why}")
-                    continue
-                actual = runner.read_actual()
-                lines, numbers = verification_table(d, actual)
-                say("vlaunch: vLLM is ready; planned vs actual:")
-                for line in lines:
-                    say(line)
-                result.actual = {"numbers": numbers, **actual.to_dict()}
-                learnt = learn_measured_kv(d, actual.allocation)
-                if learnt:
-                    say(f"vlaunch: recorded vLLM's measured KV memory for the next plan "
-                        f"({learnt})")
-                mark = runner.bytes_seen
-                smoke = runner.smoke_test()
-                if runner.interrupted is not None:  # a signal is no evidence about fp8
-                    result.attempts.append(Attempt(number, args, "interrupted"))
-                    runner.stop()
-                    result.exit_code = _ended_by_signal(runner, out)
-                    return result
-                if not smoke.ok:
-                    kv = d["kv_cache"]["dtype"]
-                    result.attempts.append(Attempt(number, args, "smoke failed",
-                                                   smoke.error or ""))
-                    out(f"vlaunch: the smoke request failed: {smoke.error}")
-                    runner.settle()
-                    logged = runner.text_since(mark)
-                    said = smoke_says_fp8(smoke.error, logged)
-                    if kv.startswith("fp8") and said and number < max_attempts:
-                        key = lesson_key(hw, spec.attention, plan.vllm_version)
-                        path = record_lesson(key, False, f"fp8 KV allocated, then the first "
-                                             f"request failed ({(smoke.error or '')[:160]})")
-                        out(f"vlaunch: fp8 KV does not work here; recorded in {path}; "
-                            "restarting with --kv-cache-dtype auto")
-                        # A context shortened for fp8's capacity is re-planned for the new
-                        # dtype.
-                        pins = dataclasses.replace(pins, kv_cache_dtype="auto",
-                                                   max_model_len=original.max_model_len)
-                        extra = _drop_flag(extra, "--kv-cache-dtype")
-                        continue
-                    explain_failure(runner, SimpleNamespace(
-                        log_tail=logged.splitlines()[-40:]), out)
+@dataclass
+class _ServeLoop:
+    """One `serve` run: the attempts, and what carries from one to the next (the pins and flags
+    the next plan uses, the exporter, whether a transient failure was already retried)."""
+
+    spec: ModelSpec
+    hw: Hardware
+    pins: Pins
+    extra: list[str]
+    max_attempts: int
+    quiet: bool
+    verbose: bool
+    dry_run: bool
+    metrics_port: int | None
+    metrics_bind: str
+    log_dir: Path | None
+    goals: dict[str, Any]
+    startup_timeout: float | None
+    port: int | None
+    stop_timeout: float
+    out: Callable[[str], None]
+    plan_hook: Callable[[Plan], Plan] | None
+    host: str | None = None  # vLLM's --host; None: loopback (exposure.with_host)
+    result: ServeResult = field(default_factory=lambda: ServeResult(exit_code=1))
+    exporter: Any = None
+    transient_retried: bool = False
+    original: Pins | None = None  # as given: a context shortened for fp8 is re-planned from it
+    api_port: int = 0
+    run_id: str = ""
+
+    def say(self, text: str) -> None:
+        """Progress, silenced by --quiet (unlike what went wrong, which `out` always shows)."""
+        if not self.quiet:
+            self.out(text)
+
+    def run(self) -> ServeResult:
+        self.pins, self.extra, pin_notes = pins_from_extra(self.pins, self.extra)
+        for n in pin_notes:
+            self.out(f"vlaunch: {n}")
+        if warning := command_line_warning(self.extra):
+            self.out(f"vlaunch: {warning}")
+        self.original = self.pins
+        # One API port for every attempt, so the exporter (up from the start, showing
+        # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
+        user_port = arg_value(self.extra, "--port")
+        self.api_port = int(user_port) if user_port else (self.port or free_port())
+        self.run_id = new_run_id()
+        try:
+            for number in range(1, self.max_attempts + 1):
+                verdict = self._attempt(number)
+                if verdict is None:
+                    return self.result
+                if verdict == _GIVE_UP:
                     break
-                result.attempts.append(Attempt(number, args, "serving"))
-                say(f"vlaunch: smoke request answered in {smoke.seconds:.2f}s; serving on "
-                    f"{runner.base_url}")
-                if exporter is not None:
-                    _set_actual(exporter, actual)
-                status = runner.wait()
-                _output_notes(runner, out)
-                if runner.interrupted is not None:
-                    result.exit_code = _ended_by_signal(runner, out)
-                    return result
-                if runner.unexpected_exit:
-                    out(f"vlaunch: vLLM exited unexpectedly with status {status}")
-                result.exit_code = status if status is not None else 1
-                return result
-        out("vlaunch: could not start vLLM: " + "; ".join(
-            f"attempt {a.number}: {a.outcome} ({a.detail[:200]})" for a in result.attempts))
-        result.exit_code = result.exit_code if result.exit_code not in (0,) else 1
-        return result
-    finally:
-        if exporter:
-            exporter.stop()
+            self.out("vlaunch: could not start vLLM: " + "; ".join(
+                f"attempt {a.number}: {a.outcome} ({a.detail[:200]})"
+                for a in self.result.attempts))
+            if self.result.exit_code == 0:
+                self.result.exit_code = 1
+            return self.result
+        finally:
+            if self.exporter:
+                self.exporter.stop()
+
+    # --- one attempt -------------------------------------------------------------------------
+
+    def _attempt(self, number: int) -> Verdict:
+        plan = make_plan(self.spec, self.hw, self.pins, **self.goals)
+        if self.plan_hook:
+            plan = self.plan_hook(plan)
+        d = plan.to_dict()
+        self.result.plan = d
+        if number == 1:
+            self.say(plan_text(d))
+        if not plan.fits:
+            self.out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
+            self.result.exit_code = 3
+            return None
+        args = self._args(d)
+        env = dict(d["env"])
+        if d["kv_cache"].get("pinned"):
+            # A legacy VLLM_CPU_KVCACHE_SPACE in our environment would replace the pinned bytes.
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if self.dry_run:
+            runner = VllmRunner(args, env=env)
+            self.out(" ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(env).items())
+                     + " " + " ".join(shlex.quote(a) for a in redact_args(runner.argv)))
+            self.result.exit_code = 0
+            return None
+        runner = self._runner(number, args, env, d)
+        self.say(f"vlaunch: attempt {number}/{self.max_attempts}: starting vLLM "
+                 f"(log: {runner.log_path})")
+        with runner, runner.forward_signals():
+            return self._supervise(number, runner, plan, d, args)
+
+    def _args(self, d: dict[str, Any]) -> list[str]:
+        """The plan's vLLM arguments with the user's on top, our port, and a drain on stop."""
+        args, notes = merge_args(serve_both_names(d["vllm_args"]), self.extra)
+        if "--port" not in args:
+            args += ["--port", str(self.api_port)]
+        args = with_host(args, self.host)  # loopback unless the user chose a host
+        if not self.result.attempts and (warning := exposure_warning(args, d["env"])):
+            self.out(f"vlaunch: {warning}")
+        args = with_drain(args, d.get("vllm_version"), self.stop_timeout)
+        for n in notes:
+            self.out(f"vlaunch: {n}")
+        return args
+
+    def _runner(self, number: int, args: list[str], env: dict[str, str],
+                d: dict[str, Any]) -> VllmRunner:
+        """This attempt's supervisor (its own log file, phases printed as they come), and the
+        exporter told about it."""
+        deadline = self.startup_timeout or startup_deadline_s(d)
+        log_path = (self.log_dir or Path.cwd()) / f"vllm-{self.run_id}-attempt{number}.log"
+        started = time.monotonic()
+
+        def on_phase(phase: str) -> None:
+            self.say(f"  [{time.monotonic() - started:6.1f}s] {phase}")
+
+        runner = VllmRunner(args, env=env, log_path=log_path, on_phase=on_phase,
+                            echo=prefixed_echo() if self.verbose else None,
+                            startup_timeout=deadline, grace_period=self.stop_timeout)
+        _refuse_busy_port(runner)
+        if self.metrics_port is not None and self.exporter is None:
+            self.exporter = _start_exporter(runner.base_url, d, self.metrics_port,
+                                            self.metrics_bind, self.out, deadline)
+        elif self.exporter is not None:
+            self.exporter.plan = d
+            self.exporter.record_restart()
+        return runner
+
+    def _supervise(self, number: int, runner: VllmRunner, plan: Plan, d: dict[str, Any],
+                   args: list[str]) -> Verdict:
+        """Start, wait until ready, check what vLLM allocated, one smoke request, serve."""
+        try:
+            runner.start()
+        except OSError as e:
+            self.out(f"vlaunch: cannot run {shlex.join(runner.program)}: {e.strerror or e}; "
+                     f"is vLLM installed? ({VLLM_COMMAND_ENV} sets the command)")
+            self.result.attempts.append(Attempt(number, args, "not started", str(e)))
+            self.result.exit_code = 127
+            return None
+        outcome = runner.wait_ready()
+        if runner.interrupted is not None:
+            return self._interrupted(number, runner, args)
+        if not outcome.ready:
+            return self._start_failed(number, runner, outcome, plan, args)
+        actual = runner.read_actual()
+        lines, numbers = verification_table(d, actual)
+        self.say("vlaunch: vLLM is ready; planned vs actual:")
+        for line in lines:
+            self.say(line)
+        self.result.actual = {"numbers": numbers, **actual.to_dict()}
+        learnt = learn_measured_kv(d, actual.allocation)
+        if learnt:
+            self.say(f"vlaunch: recorded vLLM's measured KV memory for the next plan ({learnt})")
+        mark = runner.bytes_seen
+        smoke = runner.smoke_test()
+        if runner.interrupted is not None:  # a signal is no evidence about fp8
+            return self._interrupted(number, runner, args)
+        if not smoke.ok:
+            return self._smoke_failed(number, runner, smoke, mark, plan, d, args)
+        self.result.attempts.append(Attempt(number, args, "serving"))
+        self.say(f"vlaunch: smoke request answered in {smoke.seconds:.2f}s; serving on "
+                 f"{runner.base_url}")
+        if self.exporter is not None:
+            _set_actual(self.exporter, actual)
+        status = runner.wait()
+        _output_notes(runner, self.out)
+        if runner.interrupted is not None:
+            self.result.exit_code = _ended_by_signal(runner, self.out)
+            return None
+        if runner.unexpected_exit:
+            self.out(f"vlaunch: vLLM exited unexpectedly with status {status}")
+        self.result.exit_code = status if status is not None else 1
+        return None
+
+    def _interrupted(self, number: int, runner: VllmRunner, args: list[str]) -> Verdict:
+        self.result.attempts.append(Attempt(number, args, "interrupted"))
+        runner.stop()
+        self.result.exit_code = _ended_by_signal(runner, self.out)
+        return None
+
+    def _start_failed(self, number: int, runner: VllmRunner, outcome: Any, plan: Plan,
+                      args: list[str]) -> Verdict:
+        """Say why, and re-plan from what the failed start measured (or give up)."""
+        failure = outcome.failure
+        detail = failure.message if failure else f"{outcome.reason} (rc {outcome.returncode})"
+        self.result.attempts.append(Attempt(number, args, "failed", detail))
+        self.out(f"vlaunch: attempt {number} failed: {detail}")
+        explain_failure(runner, outcome, self.out)
+        step = next_attempt(self.pins, plan, failure, self.extra, self.transient_retried)
+        if step is None or number == self.max_attempts:
+            return _GIVE_UP
+        self.pins, self.extra, why, same_flags = step
+        self.transient_retried = self.transient_retried or same_flags
+        self.out(f"vlaunch: re-planning: {why}")
+        return _NEXT
+
+    def _smoke_failed(self, number: int, runner: VllmRunner, smoke: Any, mark: int,
+                      plan: Plan, d: dict[str, Any], args: list[str]) -> Verdict:
+        """A first request that fails on fp8 KV is a lesson and a restart with auto KV; any
+        other failure is explained and ends the run."""
+        kv = d["kv_cache"]["dtype"]
+        self.result.attempts.append(Attempt(number, args, "smoke failed", smoke.error or ""))
+        self.out(f"vlaunch: the smoke request failed: {smoke.error}")
+        runner.settle()
+        logged = runner.text_since(mark)
+        said = smoke_says_fp8(smoke.error, logged)
+        if kv.startswith("fp8") and said and number < self.max_attempts:
+            key = lesson_key(self.hw, self.spec.attention, plan.vllm_version)
+            path = record_lesson(key, False, f"fp8 KV allocated, then the first request failed "
+                                 f"({(smoke.error or '')[:160]})")
+            self.out(f"vlaunch: fp8 KV does not work here; recorded in {path}; restarting with "
+                     "--kv-cache-dtype auto")
+            # A context shortened for fp8's capacity is re-planned for the new dtype.
+            given = self.original or self.pins
+            self.pins = dataclasses.replace(self.pins, kv_cache_dtype="auto",
+                                            max_model_len=given.max_model_len)
+            self.extra = _drop_flag(self.extra, "--kv-cache-dtype")
+            return _NEXT
+        explain_failure(runner, SimpleNamespace(log_tail=logged.splitlines()[-40:]), self.out)
+        return _GIVE_UP
 
 
 def _run_pre_command(pre: list[str], out: Callable[[str], None]) -> int:

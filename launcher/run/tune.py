@@ -20,9 +20,18 @@ The planner predicts; this module measures. Why each piece is the way it is:
   the TTFT and the TPOT objective), doubling then bisecting; a point whose verdict would flip
   within +-10% of the SLO is measured again and pooled. Load comes from vLLM's own benchmark
   (`launcher.run.loadgen`, in a child process).
+- MTP trials also measure the draft's acceptance on natural text (the user's `--dataset` or
+  the project's own prompts) in a short run of their own (`tune_acceptance`, which says why
+  not on the knee's random prompts); only that figure is recorded for the next plans.
 - Everything measured is kept: `tune.json` is rewritten atomically after every point, so a
   kill -9 loses at most one point, and `--resume` skips finished trials. Ctrl-C/SIGTERM stop the
   engine, keep what was measured and report the best so far.
+
+Parts: `tune_candidates` (what is worth a start), `tune_search` (rungs, the knee search, when a
+point is measured again), `tune_measure` (one running engine: warm-up, search, repeats),
+`tune_acceptance` (MTP acceptance on natural prompts), `tune_report` (the choice, the table,
+the plot). This module runs the loop: the rungs, each
+trial's engine life cycle, calibration, and tune.json's bookkeeping.
 
 Pure orchestration: no click; `out` receives the lines to print. Engine and load generator are
 injectable (`runner_factory`, `loadgen_factory`) so the bookkeeping is tested without vLLM.
@@ -31,10 +40,6 @@ injectable (`runner_factory`, `loadgen_factory`) so the bookkeeping is tested wi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime as _dt
-import inspect
-import itertools
 import json
 import math
 import os
@@ -44,7 +49,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,59 +58,41 @@ from .. import __version__
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
+from ..inputs.prompts import PromptSet, builtin_prompts
 from ..inputs.workload import SLO, Workload
-from ..predict.planner import Pins, make_plan
-from ..predict.speculative import measured_acceptance, record_acceptance
+from ..predict.planner import Pins
+from ..predict.planshape import shape_from_plan
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
+from . import tune_acceptance
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
 from .exposure import exposure_warning, with_host
-from .loadgen import LoadGenerator, LoadgenError, LoadSpec
+from .loadgen import LoadGenerator
 from .runner import VllmRunner
-from .serve import merge_args
+from .tune_candidates import TrialSpec, build_candidates, finished_first
+from .tune_candidates import flags_key as flags_key  # tests/test_tune_engine.py imports it here
+from .tune_measure import (
+    STOP_MARGIN_S,
+    BudgetExhausted,
+    Interrupted,
+    TrialMeasurement,
+    max_concurrency,
+)
+from .tune_report import decide, plot, score, summary, table
+from .tune_search import (
+    THRESHOLD,
+    rung_sizes,
+    utc_now,
+)
 from .vllmargs import arg_value
 
 TUNE_FILE = "tune.json"
 SCHEMA = 1
 
-THRESHOLD = 0.9
-"""The SLO is met at a concurrency when at least this share of completed requests met both the
-TTFT and the TPOT objective (vLLM's goodput counts them); 90% leaves room for one slow request
-in ten, the usual way an SLO is written."""
 
-RESOLUTION = (1.5, 1.25)
-"""Bisection stops when the first failing concurrency is within this factor of the last passing
-one: coarse in the early rungs (many candidates), fine in the last. 1.25 keeps 1.5x the knee beyond
-the first failure, so "1.5x misses the SLO" can be checked."""
-
-PROMPTS_PER_CONCURRENCY = (3, 4)
-"""Requests per point (early rungs, last rung) as a multiple of the concurrency: at least three
-waves, so the burst at t=0 is not the whole measurement."""
-
-MIN_PROMPTS = 8
-FRAGILE_TOLERANCE = 0.1
-FRAGILE_SHARE = 0.25
-"""A point is measured again only when its verdict is fragile: the share meeting the SLO is
-within this of the threshold, and moving every request 10% would flip it (a point where 30%
-met is a clear miss, however many requests sit near the limit)."""
-MAX_REPEATS = 2
-STOP_MARGIN_S = 30.0
-"""Kept free at the end of the budget: stopping vLLM's group (SIGTERM, grace, SIGKILL)."""
 
 STATUSES = ("ok", "infeasible", "failed", "skipped")
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)")
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived: stop, keep what was measured."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class BudgetExhausted(Exception):
-    """The wall-clock budget is spent: stop measuring, keep what was measured."""
 
 
 # ----------------------------------------------------------------------------- input parsing
@@ -164,410 +151,6 @@ def check_output_dir(path: str | os.PathLike[str]) -> Path:
     return out
 
 
-# ----------------------------------------------------------------------------- candidates
-
-
-@dataclass
-class TrialSpec:
-    """One configuration to measure: vLLM's arguments and the plan that produced them."""
-
-    name: str
-    source: str  # baseline | planner | user
-    vllm_args: list[str]
-    env: dict[str, str]
-    plan: dict[str, Any]
-    predicted: dict[str, Any] | None = None
-    pins: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def key(self) -> str:
-        return flags_key(self.vllm_args)
-
-
-def flags_key(args: Sequence[str]) -> str:
-    """The identity of a configuration: its flags, order-free, without the port."""
-    pairs: list[tuple[str, str]] = []
-    for a in args:
-        if a.startswith("--"):
-            name, eq, value = a.partition("=")
-            pairs.append((name, value if eq else ""))
-        elif pairs:
-            name, value = pairs[-1]
-            pairs[-1] = (name, f"{value} {a}".strip())
-    return " ".join(f"{n}={v}" if v else n for n, v in sorted(p for p in pairs
-                                                                if p[0] != "--port"))
-
-
-_PLAN_KW: set[str] | None = None
-
-
-def _plan_kwargs() -> set[str]:
-    """make_plan's keyword arguments: the performance model's (workload, slo, objective) when
-    the installed planner has them."""
-    global _PLAN_KW
-    if _PLAN_KW is None:
-        _PLAN_KW = set(inspect.signature(make_plan).parameters)
-    return _PLAN_KW
-
-
-def plan_for(spec: ModelSpec, hw: Hardware, pins: Pins, workload: Workload, slo: SLO,
-             objective: str):
-    """make_plan for the workload, passing the performance model's inputs where supported."""
-    kw: dict[str, Any] = {"suggest": False}
-    wanted = {"workload": workload, "slo": slo, "objective": objective}
-    kw.update({k: v for k, v in wanted.items() if k in _plan_kwargs()})
-    return make_plan(spec, hw, pins, **kw)
-
-
-def predicted_of(d: dict[str, Any], workload: Workload) -> dict[str, Any]:
-    """What the planner predicts for a plan: the performance model's knee when it has one, else
-    a capacity proxy (requests the engine can hold at the workload's length, capped by
-    max_num_seqs), which at least ranks the candidates the same way as their batch room."""
-    perf = d.get("performance")
-    if isinstance(perf, dict):
-        knee = perf.get("knee") or perf.get("at") or {}
-        return {"source": perf.get("source", "model"),
-                "goodput_rps": knee.get("requests_per_s"),
-                "concurrency": knee.get("concurrency"),
-                "output_tokens_per_s": knee.get("output_tokens_per_s"),
-                "tpot_ms": knee.get("tpot_ms"), "ttft_ms": knee.get("ttft_ms"),
-                "score": float(knee.get("requests_per_s") or 0.0)}
-    per_request = workload.input_len + workload.output_len
-    dp = int(d.get("parallel", {}).get("dp", 1))
-    held = d.get("kv_cache", {}).get("tokens", 0) / max(1, per_request) * dp
-    seqs = int(d.get("max_num_seqs") or 0) * dp
-    return {"source": "capacity", "concurrency": round(min(held, seqs), 1),
-            "score": float(min(held, seqs))}
-
-
-def baseline_args(d: dict[str, Any]) -> list[str]:
-    """vLLM's defaults for this model: the plan's arguments less every knob tune varies.
-
-    Kept: the model, its name, the layout (a model that needs 8 GPUs does not start on one) and
-    the memory sizing (vLLM's CPU default reserves 92% of RAM and refuses to start on a busy
-    machine; a lowered GPU utilization is the free memory's, not a tuning choice).
-    """
-    args = d["vllm_args"]
-    keep_value = ("--model", "--served-model-name", "--tensor-parallel-size",
-                  "--pipeline-parallel-size", "--data-parallel-size", "--max-model-len",
-                  "--kv-cache-memory-bytes")
-    out: list[str] = []
-    for name in keep_value:
-        value = arg_value(args, name)
-        if value is not None:
-            out += [name, value]
-    if "--enable-expert-parallel" in args:
-        out.append("--enable-expert-parallel")
-    util = arg_value(args, "--gpu-memory-utilization")
-    if util is not None and abs(float(util) - 0.92) > 1e-6:  # lowered for free memory
-        out += ["--gpu-memory-utilization", util]
-    return out
-
-
-def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any],
-                  layouts: list[Any]) -> Iterator[Pins]:
-    """Pins for every combination of the restart knobs around the baseline plan's values.
-
-    Knobs the user pinned stay pinned. fp8 KV is tried only where the planner's capability
-    table says it works; enforce-eager only on GPUs (the CPU engine has no graphs to skip).
-    """
-    from ..predict.capabilities import fp8_kv_support
-
-    seqs0, tokens0 = int(base["max_num_seqs"]), int(base["max_num_batched_tokens"])
-    seqs = [pins.max_num_seqs] if pins.max_num_seqs else sorted(
-        {max(1, seqs0 // 8), max(1, seqs0 // 4), max(1, seqs0 // 2), seqs0, seqs0 * 2})
-    tokens = [pins.max_num_batched_tokens] if pins.max_num_batched_tokens else sorted(
-        {tokens0 // 2, tokens0, tokens0 * 2} - {0})
-    fp8_ok, _ = fp8_kv_support(hw, spec.attention, base["vllm_version"])
-    dtypes = [pins.kv_cache_dtype] if pins.kv_cache_dtype else (
-        ["auto", "fp8"] if fp8_ok else ["auto"])
-    eager = [True] if pins.enforce_eager else ([False] if hw.is_cpu else [False, True])
-    for layout, s, t, dt, e, mtp in itertools.product(layouts, seqs, tokens, dtypes, eager,
-                                                      mtp_variants(spec, hw, pins, base)):
-        yield dataclasses.replace(pins, max_num_seqs=s, max_num_batched_tokens=t,
-                                  kv_cache_dtype=dt, enforce_eager=e, **layout, **mtp)
-
-
-def mtp_variants(spec: ModelSpec, hw: Hardware, pins: Pins,
-                 base: dict[str, Any]) -> list[dict[str, Any]]:
-    """MTP as a knob: off and each num_speculative_tokens of profiles/serving.yaml where the
-    model has an MTP layer and the version and platform load it; a pin stays pinned."""
-    from ..predict import speculative
-
-    if pins.speculative is not None or pins.num_speculative_tokens:
-        return [{}]
-    if not speculative.support(spec, hw, base["vllm_version"])[0]:
-        return [{}]
-    return [{"speculative": False}] + [{"speculative": True, "num_speculative_tokens": int(k)}
-                                       for k in speculative.mtp_table()["candidates"]]
-
-
-def _layout_pins(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[dict[str, Any]]:
-    from ..predict.planner import layouts
-
-    if hw.is_cpu or pins.tp or pins.dp or pins.pp:
-        return [{}]
-    return [{"tp": L.tp, "pp": L.pp, "dp": L.dp, "expert_parallel": L.expert_parallel}
-            for L in layouts(spec, hw, pins)]
-
-
-def build_candidates(spec: ModelSpec, hw: Hardware, pins: Pins, workload: Workload, slo: SLO,
-                     objective: str, user: Sequence[Sequence[str]] = ()
-                     ) -> tuple[TrialSpec, list[TrialSpec], list[str]]:
-    """(baseline, candidates ranked by predicted goodput, notes). Only plans that fit; the
-    baseline's own flags are never a planner candidate twice."""
-    context = workload.input_len + workload.output_len
-    if pins.max_model_len is None:
-        length = max(256, 1 << math.ceil(math.log2(context)))
-        pins = dataclasses.replace(pins, max_model_len=min(length, spec.max_context))
-    if pins.max_model_len < context:
-        raise InputError(f"--max-model-len {pins.max_model_len:,} is shorter than the workload's "
-                         f"{context:,} tokens per request")
-    base_plan = plan_for(spec, hw, pins, workload, slo, objective)
-    base = base_plan.to_dict()
-    if not base["fits"]:
-        raise InputError(f"{spec.name} does not fit {hw.describe()}: {base['problem']}; see "
-                         "`vlaunch plan`")
-    notes: list[str] = []
-    defaults = defaults_plan(spec, hw, pins, base, workload, slo, objective, notes)
-    baseline = TrialSpec("vLLM defaults", "baseline", baseline_args(defaults),
-                         dict(defaults["env"]), defaults, predicted_of(defaults, workload),
-                         {"max_model_len": pins.max_model_len})
-    seen = {baseline.key, flags_key(defaults["vllm_args"])}
-    ranked: list[TrialSpec] = []
-    for variant in knob_variants(spec, hw, pins, base, _layout_pins(spec, hw, pins)):
-        try:
-            plan = plan_for(spec, hw, variant, workload, slo, objective)
-        except InputError:
-            continue
-        d = plan.to_dict()
-        if not d["fits"] or flags_key(d["vllm_args"]) in seen:
-            continue
-        seen.add(flags_key(d["vllm_args"]))
-        ranked.append(TrialSpec(_describe(d), "planner", d["vllm_args"], dict(d["env"]), d,
-                                predicted_of(d, workload), _pins_dict(variant)))
-    ranked = rank_candidates(ranked, base)
-    users = []
-    for i, flags in enumerate(user, 1):
-        args, _ = merge_args(baseline.vllm_args, list(flags))
-        if flags_key(args) in seen:
-            notes.append(f"--candidate {shlex.join(flags)}: same flags as another candidate")
-            continue
-        seen.add(flags_key(args))
-        d = dict(base, vllm_args=args)
-        users.append(TrialSpec(f"yours #{i}: {shlex.join(flags)}", "user", args,
-                               dict(base["env"]), d, None, {"extra_args": list(flags)}))
-    return baseline, users + ranked, notes
-
-
-def defaults_plan(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any],
-                  workload: Workload, slo: SLO, objective: str,
-                  notes: list[str]) -> dict[str, Any]:
-    """The plan of vLLM's defaults on the planner's layout: the scheduler limits `vllm serve`
-    would pick (capabilities.batch_defaults), auto KV, no eager mode. Its dict is what the
-    baseline's plan.json and calibration describe, so they match what was measured."""
-    from ..predict.capabilities import batch_defaults
-
-    p = base["parallel"]
-    tokens, seqs = batch_defaults(hw, p["tp"] * p["pp"])
-    layout = {} if hw.is_cpu else {"tp": p["tp"], "pp": p["pp"], "dp": p["dp"],
-                                   "expert_parallel": p["expert_parallel"]}
-    vanilla = dataclasses.replace(
-        pins, max_num_seqs=pins.max_num_seqs or seqs,
-        max_num_batched_tokens=pins.max_num_batched_tokens or max(tokens, pins.max_model_len
-                                                                  or 0),
-        kv_cache_dtype=pins.kv_cache_dtype or "auto", **layout)
-    try:
-        d = plan_for(spec, hw, vanilla, workload, slo, objective).to_dict()
-    except InputError as e:
-        d = {"fits": False, "problem": str(e)}
-    if d["fits"]:
-        return d
-    notes.append(f"vLLM's defaults do not fit ({d['problem']}); the baseline keeps the "
-                 "planner's scheduler limits and KV dtype")
-    return base
-
-
-def _changes(d: dict[str, Any], base: dict[str, Any]) -> int:
-    """How many knobs differ from the baseline plan: among equal predictions, fewer changes
-    first (the prediction cannot tell them apart, so the smaller step is the safer one)."""
-    keys = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "parallel")
-    return sum(d.get(k) != base.get(k) for k in keys) + (
-        d["kv_cache"]["dtype"] != base["kv_cache"]["dtype"]) + (
-        _mtp_k(d) != _mtp_k(base))
-
-
-def _mtp_k(d: dict[str, Any]) -> int:
-    s = ((d.get("serving") or {}).get("speculative") or {})
-    return int(s.get("num_speculative_tokens") or 0) if s.get("enabled") else 0
-
-
-def rank_candidates(cands: list[TrialSpec], base: dict[str, Any]) -> list[TrialSpec]:
-    """By predicted goodput, but the best of every layout before the second of any: a layout
-    question (TP8 vs DP8+EP) is the one a prediction is least sure of, so each gets measured."""
-    def key(t: TrialSpec) -> tuple:
-        return (-(t.predicted or {}).get("score", 0.0), _changes(t.plan, base), t.key)
-
-    ordered = sorted(cands, key=key)
-    firsts: dict[str, TrialSpec] = {}
-    for t in ordered:
-        firsts.setdefault(json.dumps(t.plan.get("parallel"), sort_keys=True), t)
-    leaders = sorted(firsts.values(), key=key)
-    return leaders + [t for t in ordered if t not in leaders]
-
-
-def _pins_dict(p: Pins) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(p).items() if v not in (None, False)}
-
-
-def _describe(d: dict[str, Any]) -> str:
-    p = d["parallel"]
-    layout = f"TP{p['tp']}" + (f"xDP{p['dp']}" if p["dp"] > 1 else "") + (
-        "+EP" if p["expert_parallel"] and p["dp"] * p["tp"] > 1 else "")
-    text = (f"{layout} seqs={d['max_num_seqs']} batched={d['max_num_batched_tokens']} "
-            f"kv={d['kv_cache']['dtype']}")
-    text += f" mtp={_mtp_k(d)}" if _mtp_k(d) else ""
-    return text + (" eager" if d.get("enforce_eager") else "")
-
-
-# ----------------------------------------------------------------------------- rungs
-
-
-def rung_sizes(n: int, max_starts: int, eta: int = 2, rungs: int | None = None) -> list[int]:
-    """Engine starts per rung of successive halving, at most `max_starts` in all.
-
-    About a third of the starts are kept for promotions (restarting the best of a rung to
-    measure it more finely); the rest go to rung 0, which gets at least two starts (the
-    baseline and one candidate) whenever there are two. `rungs=1` spends every start on rung 0.
-    """
-    if n < 1 or max_starts < 1:
-        return []
-    reserve = 0 if rungs == 1 or max_starts < 3 else max_starts // 3
-    first = min(n, max_starts - reserve)
-    sizes = [first]
-    left = max_starts - first
-    while left > 0 and sizes[-1] > 1 and (rungs is None or len(sizes) < rungs):
-        size = min(math.ceil(sizes[-1] / eta), left)
-        if size >= sizes[-1]:
-            size = sizes[-1] - 1
-        sizes.append(size)
-        left -= size
-    return sizes
-
-
-# ----------------------------------------------------------------------------- knee search
-
-
-@dataclass
-class KneeSearch:
-    """Doubling, then bisection, for the largest concurrency that meets the SLO.
-
-    `probe(c) -> bool` measures one concurrency. State lives on the object so that a search
-    cut short (budget, Ctrl-C) still says what it found: `lo` (the knee so far, 0 when even
-    the smallest concurrency missed), `hi` (the first failing concurrency, None if none).
-    """
-
-    probe: Callable[[int], bool]
-    max_concurrency: int
-    resolution: float = 1.25
-    hint: int | None = None
-    lo: int = 0
-    hi: int | None = None
-    verdicts: dict[int, bool] = field(default_factory=dict)
-
-    def _check(self, c: int) -> bool:
-        if c not in self.verdicts:
-            self.verdicts[c] = self.probe(c)
-        ok = self.verdicts[c]
-        if ok and c > self.lo:
-            self.lo = c
-        if not ok and (self.hi is None or c < self.hi):
-            self.hi = c
-        return ok
-
-    def run(self) -> tuple[int, int | None]:
-        top = max(1, self.max_concurrency)
-        start = min(top, max(1, self.hint or 1))
-        if self._check(start):
-            c = start
-            while c < top:
-                c = min(top, c * 2)
-                if not self._check(c):
-                    break
-        else:
-            c = start // 2
-            while c >= 1 and not self._check(c):
-                c //= 2
-            if self.lo == 0:
-                return self.lo, self.hi
-        while self.hi is not None and self.lo and self.hi - self.lo > 1 \
-                and self.hi / self.lo > self.resolution:
-            mid = max(self.lo + 1, min(self.hi - 1, round(math.sqrt(self.lo * self.hi))))
-            self._check(mid)
-        return self.lo, self.hi
-
-    @property
-    def bounded(self) -> bool:
-        """True when a failing concurrency was seen (the knee is a knee, not the cap)."""
-        return self.hi is not None
-
-
-def fragile(point: dict[str, Any], slo: SLO, threshold: float = THRESHOLD,
-            tolerance: float = FRAGILE_TOLERANCE) -> bool:
-    """Would the verdict flip if every request were `tolerance` faster or slower? Then the
-    spread is too large for one measurement and the point is repeated."""
-    raw = point.get("raw") or {}
-    ttfts, lats, outs = raw.get("ttfts"), raw.get("latencies"), raw.get("output_lens")
-    if not (ttfts and lats and outs) or not (len(ttfts) == len(lats) == len(outs)):
-        fraction = point.get("slo_fraction", 0.0)
-        return threshold - tolerance < fraction < min(1.0, threshold + tolerance)
-    done = [(t, (lat - t) / (n - 1) if n > 1 else 0.0)
-            for t, lat, n in zip(ttfts, lats, outs, strict=True) if n and t is not None]
-    if not done:
-        return False
-
-    def share(scale: float) -> float:
-        ttft_s, tpot_s = slo.ttft_ms * scale / 1000, slo.tpot_ms * scale / 1000
-        return sum(1 for t, p in done if t <= ttft_s and p <= tpot_s) / len(done)
-
-    near = abs(point.get("slo_fraction", 0.0) - threshold) <= FRAGILE_SHARE
-    return near and (share(1 - tolerance) >= threshold) != (share(1 + tolerance) >= threshold)
-
-
-def flat_point(s: dict[str, Any], slo: SLO, threshold: float, repeat: int) -> dict[str, Any]:
-    """A loadgen summary as one row of `results` (and a calibration point)."""
-    met = s["completed"] > 0 and s["failed"] == 0 and s["slo_fraction"] >= threshold
-    return {"concurrency": s["concurrency"], "input_len": s["input_len"],
-            "output_len": s["output_len"], "num_prompts": s["num_prompts"],
-            "output_tokens_per_s": s["output_tokens_per_s"],
-            "requests_per_s": s["requests_per_s"], "goodput_rps": s["goodput_rps"],
-            "tpot_ms": s["tpot_ms"]["mean"], "ttft_ms": s["ttft_ms"]["mean"],
-            "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p99_ms": s["tpot_ms"]["p99"],
-            "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
-            "completed": s["completed"], "failed": s["failed"],
-            "good_requests": s["good_requests"], "slo_fraction": s["slo_fraction"],
-            "slo_met": met, "repeat": repeat, "at": _now(), "raw": s["raw"]}
-
-
-def pooled(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """Repeated measurements of one concurrency as one: request counts add up, rates average."""
-    if len(points) == 1:
-        return points[0]
-    n = len(points)
-    out = dict(points[-1])
-    for key in ("output_tokens_per_s", "requests_per_s", "goodput_rps", "tpot_ms", "ttft_ms",
-                "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
-        vals = [p[key] for p in points if p.get(key) is not None]
-        out[key] = sum(vals) / len(vals) if vals else None
-    out["completed"] = sum(p["completed"] for p in points)
-    out["failed"] = sum(p["failed"] for p in points)
-    out["good_requests"] = sum(p["good_requests"] for p in points)
-    out["slo_fraction"] = round(out["good_requests"] / out["completed"], 4) if out[
-        "completed"] else 0.0
-    out["repeats"] = n
-    return out
-
-
 # ----------------------------------------------------------------------------- the tuner
 
 
@@ -590,10 +173,9 @@ class TuneOptions:
     plot: bool = False
     verbose: bool = False
     calibrate: bool = True
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    prompts: PromptSet | None = None
+    """The user's `--dataset` (inputs.prompts.load_prompts); None: the built-in natural prompts.
+    Used only to measure MTP acceptance."""
 
 
 def _fmt_s(seconds: float) -> str:
@@ -679,6 +261,7 @@ class Tuner:
         self.startup_times: list[float] = []
         self._specs: dict[str, TrialSpec] = {}
         self._sizes: list[int] = []
+        self._acceptance: tuple[PromptSet, Path, int] | None = None
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -704,7 +287,7 @@ class Tuner:
         self.doc = {
             "schema": SCHEMA, "vlaunch_version": __version__,
             "vllm_version": installed_vllm() or baseline.plan.get("vllm_version"),
-            "started_at": _now(), "updated_at": _now(), "finished_at": None,
+            "started_at": utc_now(), "updated_at": utc_now(), "finished_at": None,
             "status": "running",
             "model": baseline.plan["model"], "hardware": baseline.plan["gpus"],
             "workload": {"input_len": o.workload.input_len, "output_len": o.workload.output_len,
@@ -720,7 +303,7 @@ class Tuner:
         }
 
     def save(self) -> None:
-        self.doc["updated_at"] = _now()
+        self.doc["updated_at"] = utc_now()
         self.doc["starts"] = self.starts
         self.doc["elapsed_s"] = round(self.progress.elapsed, 1)
         atomic_write(self.dir / TUNE_FILE, json.dumps(self.doc, indent=2, default=str) + "\n")
@@ -775,7 +358,14 @@ class Tuner:
                                                   o.slo, o.objective, o.user_candidates)
         self._new_doc(baseline, notes)
         self.save()
+        if self.previous:  # --resume: among equally ranked candidates, the finished first
+            cands = finished_first(cands, {k for _, k in self.previous})
         pool = [baseline, *cands]
+        self.doc["notes"] += self._prepare_acceptance(pool)
+        if self._acceptance:
+            prompts, path, n = self._acceptance
+            self.doc["acceptance_prompts"] = {**prompts.to_dict(), "file": str(path), "sent": n}
+        self.save()
         self._specs = {t.key: t for t in pool}
         sizes = rung_sizes(len(pool), o.max_starts, o.eta, o.rungs)
         self._sizes = sizes
@@ -799,6 +389,19 @@ class Tuner:
         self._finish()
         return status
 
+    def _prepare_acceptance(self, pool: list[TrialSpec]) -> list[str]:
+        """The natural prompts MTP trials measure acceptance on, written into the output
+        folder; notes for tune.json (a --dataset that no trial needs is said to be unused)."""
+        o = self.opts
+        if not any(tune_acceptance.runs_mtp(t.vllm_args) for t in pool):
+            return (["--dataset is used only to measure MTP acceptance, and no candidate runs "
+                     "MTP: not used"] if o.prompts else [])
+        prompts = o.prompts or builtin_prompts()
+        path, n = tune_acceptance.prepare(prompts, self.dir, o.seed)
+        self._acceptance = (prompts, path, n)
+        return [f"MTP acceptance is measured on {prompts.describe()}, not on the knee's random "
+                "prompts"]
+
     def _halving(self, pool: list[TrialSpec], sizes: list[int]) -> None:
         entrants = pool[:sizes[0]] if sizes else []
         try:
@@ -819,7 +422,7 @@ class Tuner:
                       and r["status"] == "ok"]
                 if len(ok) < 2:
                     break
-                ok.sort(key=lambda r: -self._score(r))
+                ok.sort(key=lambda r: -score(r))
                 by_key = {t.key: t for t in pool}
                 entrants = [by_key[r["key"]] for r in ok[:size]]
                 self.progress.line(f"rung {rung}: restarting the best {len(entrants)} of "
@@ -828,10 +431,6 @@ class Tuner:
                 self._trial(t, rung)
                 self._decide()
                 self.save()
-
-    def _score(self, rec: dict[str, Any]) -> float:
-        knee = rec.get("knee") or {}
-        return float(knee.get("goodput_rps") or 0.0)
 
     # --- one trial -----------------------------------------------------------------------
 
@@ -877,7 +476,7 @@ class Tuner:
         self.starts += 1
         n = self.starts
         log_path = self.dir / f"vllm-trial{n}.log"
-        rec.update(started_at=_now(), status="failed", cause="started", log=str(log_path))
+        rec.update(started_at=utc_now(), status="failed", cause="started", log=str(log_path))
         self.save()
         self.progress.line(f"start {n}/{self.opts.max_starts} (rung {rung}): {t.name}")
         if self.opts.verbose:
@@ -914,7 +513,7 @@ class Tuner:
             try:
                 self._measure(runner, t, rec, rung)
             finally:
-                rec["finished_at"] = _now()
+                rec["finished_at"] = utc_now()
                 self.save()
         self._check(runner)
 
@@ -937,7 +536,7 @@ class Tuner:
             thread.join(timeout=1)
 
     def _start_failed(self, rec: dict[str, Any], outcome: Any, runner: VllmRunner) -> None:
-        rec["finished_at"] = _now()
+        rec["finished_at"] = utc_now()
         if outcome.reason == "interrupted":
             rec["status"], rec["cause"] = "failed", "interrupted during start-up"
             self._check(runner)
@@ -956,106 +555,24 @@ class Tuner:
 
     # --- measuring -----------------------------------------------------------------------
 
-    def _max_concurrency(self, t: TrialSpec) -> int:
-        if self.opts.max_concurrency:
-            return self.opts.max_concurrency
-        d = t.plan
-        seqs = int(arg_value(t.vllm_args, "--max-num-seqs") or d.get("max_num_seqs") or 256)
-        dp = int(d.get("parallel", {}).get("dp", 1))
-        return max(64, 4 * seqs * dp)  # past max-num-seqs requests queue: TTFT finds the knee
-
-    def _load_spec(self, runner: VllmRunner, c: int, prompts: int, warmups: int) -> LoadSpec:
-        o = self.opts
-        tokenizer = self.tokenizer or arg_value(runner.vllm_args, "--model") or runner.model_name
-        return LoadSpec(runner.base_url, runner.model_name, tokenizer, o.workload.input_len,
-                        o.workload.output_len, c, prompts, o.seed, o.slo.ttft_ms, o.slo.tpot_ms,
-                        warmups)
-
     def _measure(self, runner: VllmRunner, t: TrialSpec, rec: dict[str, Any], rung: int) -> None:
+        """Measure the running engine (tune_measure), then calibrate and report the knee."""
         o = self.opts
-        fine = 1 if rung >= len(self._sizes) - 1 else 0  # the last rung measures finely
-        per_c = PROMPTS_PER_CONCURRENCY[fine]
-        gen = self.loadgen_factory(self.dir / f"loadgen-trial{self.starts}.log")
-        repeats = [0]
-
-        def timeout() -> float:
-            left = self.progress.left - STOP_MARGIN_S
-            if left <= 0:
-                raise BudgetExhausted()
-            return left
-
-        def heartbeat(c: int) -> Callable[[float], None]:
-            def beat(waited: float) -> None:
-                what = f"concurrency {c}" if c else "warm-up"
-                self.progress.tick(f"  {what}: measuring ({waited:.0f}s)")
-                if runner.interrupted is not None:
-                    raise Interrupted(runner.interrupted)
-            return beat
-
-        def one(c: int, repeat: int) -> dict[str, Any]:
-            spec = self._load_spec(runner, c, max(MIN_PROMPTS, per_c * c), min(c, 4))
-            try:
-                s = gen.run(spec, timeout=timeout(), heartbeat=heartbeat(c))
-            except LoadgenError:
-                if self.progress.left <= STOP_MARGIN_S + 1:  # cut off by the budget
-                    raise BudgetExhausted() from None
-                raise
-            point = flat_point(s, o.slo, o.threshold, repeat)
-            rec["results"].append(point)
-            acc = measured_acceptance(point.get("raw") or {})
-            if acc:  # MTP trials: what vLLM's benchmark measured, kept for the next plans
-                rec["mtp_acceptance"] = acc
-                record_acceptance(self.spec.name, acc)
-            self.save()
-            return point
-
-        def probe(c: int) -> bool:
-            self._check(runner)
-            points = [one(c, 0)]
-            while (fragile(points[-1], o.slo, o.threshold) and repeats[0] < MAX_REPEATS
-                   and len(points) < 2):
-                repeats[0] += 1
-                self.progress.line(f"  concurrency {c}: verdict within 10% of the SLO, "
-                                   "measuring again")
-                self._check(runner)
-                points.append(one(c, len(points)))
-            p = pooled(points)
-            met = p["failed"] == 0 and p["slo_fraction"] >= o.threshold
-            self.progress.line(
-                f"  concurrency {c:>4}: {p['output_tokens_per_s']:8.1f} tok/s, TTFT p50/p99 "
-                f"{_ms(p['ttft_p50_ms'])}/{_ms(p['ttft_p99_ms'])}, TPOT p50/p99 "
-                f"{_ms(p['tpot_p50_ms'])}/{_ms(p['tpot_p99_ms'])}, SLO met by "
-                f"{p['slo_fraction']:.0%} -> {'meets' if met else 'misses'}")
-            return met
-
         hint = None
         if rung > 0:
             prev = [r for r in self.doc["trials"] if r["key"] == t.key and r["rung"] < rung
                     and r.get("knee")]
             hint = prev[-1]["knee"]["concurrency"] if prev else None
-        search = KneeSearch(probe, self._max_concurrency(t), RESOLUTION[fine], hint)
-        cause = None
-        try:
-            with gen:
-                rec["warmup"] = self._warmup(gen, runner, timeout, heartbeat)
-                search.run()
-        except LoadgenError as e:
-            cause = f"the benchmark failed: {e}"
-            if runner.poll() is not None:
-                cause = f"vLLM exited during the measurement (status {runner.exit_status})"
-        except BudgetExhausted:
-            cause = "the budget ran out during the measurement (knee from what was measured)"
-        except Interrupted:
-            self._knee(rec, search, o)
-            rec["status"], rec["cause"] = "failed", "interrupted; kept what was measured"
-            raise
-        self._knee(rec, search, o)
-        if cause and not rec["knee"]:
-            rec["status"], rec["cause"] = "failed", cause
-        else:
-            rec["status"], rec["cause"] = "ok", cause
-            if cause:
-                rec["partial"] = True
+        measurement = TrialMeasurement(
+            runner, t, rec, self.loadgen_factory(self.dir / f"loadgen-trial{self.starts}.log"),
+            self.progress, o.workload, o.slo, o.threshold, o.seed,
+            max_concurrency(t, o.max_concurrency),
+            fine=rung >= len(self._sizes) - 1,  # the last rung measures finely
+            hint=hint, tokenizer=self.tokenizer, model_name=self.spec.name, save=self.save,
+            check=lambda: self._check(runner),
+            acceptance=self._acceptance if tune_acceptance.runs_mtp(t.vllm_args) else None)
+        cause = measurement.run()
+        if rec["status"] == "ok":
             self._calibrate(t, rec)
         k = rec["knee"] or {}
         bound = "bounded" if k.get("bounded") else "SLO met up to the largest tried"
@@ -1064,36 +581,6 @@ class Tuner:
                            + (f"; {cause}" if cause else ""))
         if cause and "budget" in cause:
             raise BudgetExhausted()
-
-    def _warmup(self, gen: Any, runner: VllmRunner, timeout: Callable[[], float],
-                heartbeat: Callable[[int], Callable[[float], None]]) -> dict[str, Any]:
-        """An uncounted run first: the child's imports, the engine's first batches."""
-        spec = self._load_spec(runner, 2, 4, 0)
-        t0 = time.monotonic()
-        s = gen.run(spec, timeout=timeout(), heartbeat=heartbeat(0))
-        self.progress.line(f"  warm-up done in {time.monotonic() - t0:.0f}s (not counted)")
-        return {"seconds": round(time.monotonic() - t0, 1), "completed": s["completed"]}
-
-    def _knee(self, rec: dict[str, Any], search: KneeSearch, o: TuneOptions) -> None:
-        """The trial's knee from its points: the largest concurrency that met the SLO."""
-        if not rec["results"]:
-            rec["knee"] = None
-            return
-        by_c: dict[int, list[dict[str, Any]]] = {}
-        for p in rec["results"]:
-            by_c.setdefault(p["concurrency"], []).append(p)
-        c = search.lo
-        point = pooled(by_c[c]) if c in by_c else pooled(by_c[min(by_c)])
-        rec["knee"] = {
-            "concurrency": c, "first_miss": search.hi, "bounded": search.bounded,
-            "goodput_rps": point["goodput_rps"] if c else 0.0,
-            "output_tokens_per_s": point["output_tokens_per_s"],
-            "requests_per_s": point["requests_per_s"],
-            "tpot_ms": point["tpot_ms"], "ttft_ms": point["ttft_ms"],
-            "tpot_p50_ms": point["tpot_p50_ms"], "tpot_p99_ms": point["tpot_p99_ms"],
-            "ttft_p50_ms": point["ttft_p50_ms"], "ttft_p99_ms": point["ttft_p99_ms"],
-            "slo_fraction": point["slo_fraction"],
-        }
 
     def _calibrate(self, t: TrialSpec, rec: dict[str, Any]) -> None:
         """Teach the performance model what was measured (launcher.predict.calibration)."""
@@ -1108,7 +595,8 @@ class Tuner:
             from ..paths import cache_dir
 
             cache_dir().mkdir(parents=True, exist_ok=True)  # record() writes beside it
-            path = calibration.record(t.plan, points, f"vlaunch tune {_now()}")
+            path = calibration.record(t.plan, points, f"vlaunch tune {utc_now()}",
+                                      shape_from_plan(t.plan))
         except Exception as e:  # noqa: BLE001 - a calibration problem must not lose the trial
             rec["calibration"] = f"not recorded: {type(e).__name__}: {e}"
             return
@@ -1117,56 +605,14 @@ class Tuner:
     # --- choosing ------------------------------------------------------------------------
 
     def _decide(self) -> None:
-        """Best so far: the highest goodput at the knee among ok trials, preferring the latest
-        rung a configuration reached (its finest measurement); the baseline for comparison."""
-        trials = self.doc["trials"]
-        latest: dict[str, dict[str, Any]] = {}
-        for r in trials:
-            if r["status"] == "ok" and r.get("knee") and (
-                    r["key"] not in latest or r["rung"] >= latest[r["key"]]["rung"]):
-                latest[r["key"]] = r
-        base = next((r for r in latest.values() if r["source"] == "baseline"), None)
-        self.doc["baseline"] = self._summary(base) if base else None
-        if not latest:
-            self.doc["recommended"] = None
-            return
-        top_rung = max(r["rung"] for r in latest.values())
-        finalists = [r for r in latest.values() if r["rung"] == top_rung] or list(latest.values())
-        best = max(finalists, key=lambda r: (self._score(r),
-                                             r["knee"]["output_tokens_per_s"] or 0.0,
-                                             r["source"] == "baseline"))
-        rec = {**self._summary(best), "why": self._why(best, base, len(latest))}
-        self.doc["recommended"] = rec
-
-    def _summary(self, r: dict[str, Any]) -> dict[str, Any]:
-        k = r["knee"]
-        return {"trial": r["name"], "rung": r["rung"], "source": r["source"],
-                "vllm_args": r["vllm_args"], "concurrency": k["concurrency"],
-                "knee_bounded": k["bounded"],
-                "measured": {"output_tokens_per_s": k["output_tokens_per_s"],
-                             "tpot_ms": k["tpot_ms"], "ttft_ms": k["ttft_ms"],
-                             "goodput_rps": k["goodput_rps"],
-                             "tpot_p99_ms": k["tpot_p99_ms"], "ttft_p99_ms": k["ttft_p99_ms"]}}
-
-    def _why(self, best: dict[str, Any], base: dict[str, Any] | None, measured: int) -> str:
-        k = best["knee"]
-        text = (f"highest goodput at the SLO knee of {measured} measured configuration(s): "
-                f"{k['goodput_rps']:.2f} req/s meeting {self.opts.slo.describe()} at "
-                f"concurrency {k['concurrency']}")
-        if base is None:
-            return text + "; vLLM's defaults were not measured"
-        if base is best:
-            return text + "; vLLM's defaults were the best measured"
-        b = base["knee"]
-        gain = (k["goodput_rps"] / b["goodput_rps"] - 1) if b["goodput_rps"] else float("inf")
-        return text + (f"; vLLM's defaults: {b['goodput_rps']:.2f} req/s at concurrency "
-                       f"{b['concurrency']} ({gain:+.0%})")
+        """Best so far and the baseline beside it, into the document (see tune_report.decide)."""
+        self.doc["baseline"], self.doc["recommended"] = decide(self.doc["trials"], self.opts.slo)
 
     # --- the end -------------------------------------------------------------------------
 
     def _finish(self) -> None:
         self._decide()
-        self.doc["finished_at"] = _now()
+        self.doc["finished_at"] = utc_now()
         self.save()
         for line in self.table():
             self.out(line)
@@ -1195,8 +641,8 @@ class Tuner:
             self.out("vlaunch: no configuration was measured; nothing to recommend "
                      f"(status: {self.doc['status']})")
             return
-        best = max(cut, key=self._score)
-        self.doc["best_so_far"] = {**self._summary(best), "final": False}
+        best = max(cut, key=score)
+        self.doc["best_so_far"] = {**summary(best), "final": False}
         self.save()
         k = best["knee"]
         self.out(f"best so far ({self.doc['status']}; not final, no plan.json): {best['name']}: "
@@ -1226,64 +672,15 @@ class Tuner:
         return self._specs.get(trial["key"])
 
     def table(self) -> list[str]:
-        """One row per trial: flags, knee, output tok/s, TTFT/TPOT p50/p99, goodput, status."""
-        rows = [f"{'#':>2} {'rung':>4} {'configuration':44} {'knee':>5} {'tok/s':>8} "
-                f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'goodput':>8}  status"]
-        for i, r in enumerate(self.doc["trials"], 1):
-            k = r.get("knee") or {}
-            status = r["status"] + (f" ({r['cause'][:80]})" if r.get("cause") else "")
-            rows.append(
-                f"{i:>2} {r['rung']:>4} {r['name'][:44]:44} {_v(k.get('concurrency')):>5} "
-                f"{_v(k.get('output_tokens_per_s'), '.1f'):>8} "
-                f"{_ms(k.get('ttft_p50_ms')) + '/' + _ms(k.get('ttft_p99_ms')):>16} "
-                f"{_ms(k.get('tpot_p50_ms')) + '/' + _ms(k.get('tpot_p99_ms')):>16} "
-                f"{_v(k.get('goodput_rps'), '.2f'):>8}  {status}")
-        return rows
+        """One row per trial (see tune_report.table)."""
+        return table(self.doc["trials"])
 
     def _plot(self) -> None:
-        """Measured curves (tok/s and TPOT against concurrency) next to the model's, as PNG."""
-        try:
-            import matplotlib
+        def plan_of(trial: dict[str, Any]) -> dict[str, Any] | None:
+            spec = self._spec_of(trial)
+            return spec.plan if spec else None
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            self.out("vlaunch: --plot needs matplotlib (pip install matplotlib); skipped")
-            return
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for r in self.doc["trials"]:
-            pts = sorted((p for p in r["results"]), key=lambda p: p["concurrency"])
-            if not pts:
-                continue
-            xs = [p["concurrency"] for p in pts]
-            line = ax1.plot(xs, [p["output_tokens_per_s"] for p in pts], "o-",
-                            label=r["name"][:40])[0]
-            ax2.plot(xs, [p["tpot_ms"] for p in pts], "o-", color=line.get_color())
-            spec = self._spec_of(r)
-            curve = ((spec.plan.get("performance") or {}).get("curve") if spec else None) or []
-            if curve:
-                cx = [c["concurrency"] for c in curve]
-                ax1.plot(cx, [c["output_tokens_per_s"] for c in curve], "--",
-                         color=line.get_color())
-                ax2.plot(cx, [c["tpot_ms"] for c in curve], "--", color=line.get_color())
-        ax2.axhline(self.opts.slo.tpot_ms, color="grey", linestyle=":")
-        for ax, label in ((ax1, "output tokens/s"), (ax2, "TPOT ms (mean)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrency")
-            ax.set_ylabel(label)
-        ax1.legend(fontsize=7)
-        fig.suptitle("measured (solid) vs model (dashed)")
-        path = self.dir / "tune.png"
-        fig.savefig(path, dpi=100)
-        self.out(f"plot: {path}")
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
-
-
-def _v(v: Any, fmt: str = "") -> str:
-    return "-" if v is None else format(v, fmt)
+        plot(self.doc["trials"], plan_of, self.opts.slo, self.dir / "tune.png", self.out)
 
 
 def tune(spec: ModelSpec, hw: Hardware, pins: Pins, opts: TuneOptions, *,

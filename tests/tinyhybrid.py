@@ -13,7 +13,7 @@ Three kinds, each the smallest model that takes vLLM's code path for it:
 Weights come from transformers' own random initialisation (seeded) and are saved with
 ``save_pretrained``; the tokenizer is tinymodel's byte-level BPE. Folders are cached under
 ``cache_dir()/models/tiny-<kind>`` and rebuilt when ``GENERATOR_VERSION`` changes.
-Command line: ``python -m launcher.run.tinyhybrid KIND`` prints the path.
+Command line: ``python tests/tinyhybrid.py KIND`` prints the path.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir
-from .tinymodel import write_model_dir
+from launcher.paths import cache_dir
+from launcher.run.tinymodel import write_model_dir
 
 GENERATOR_VERSION = 1
 STAMP_FILE = ".vlaunch-tinyhybrid.json"
@@ -123,7 +123,7 @@ def ensure_tiny_hybrid(kind: str, path: str | os.PathLike[str] | None = None) ->
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2) or args[0] not in CONFIGS:
-        print(f"usage: python -m launcher.run.tinyhybrid {{{'|'.join(CONFIGS)}}} [OUT]",
+        print(f"usage: python tests/tinyhybrid.py {{{'|'.join(CONFIGS)}}} [OUT]",
               file=sys.stderr)
         return 2
     print(ensure_tiny_hybrid(args[0], args[1] if len(args) == 2 else None))

@@ -1,10 +1,12 @@
 """Check the budget model against what vLLM printed at start-up in public logs.
 
-Each row of `shared/validation/vllm-startup-observations.csv` records a real start-up: model,
+Each row of the observations (`tests/fixtures/validation/startup-observations.csv`, vendored
+from the shared `validation/vllm-startup-observations.csv`) records a real start-up: model,
 GPU, vLLM version, settings, and what vLLM measured. A row is predicted with the same planner
 code as any plan, at that row's vLLM version and engine; rows whose checkpoint config is not
 available (AWQ repacks, vision models we cannot count) are reported as skipped, with why.
-Used by `make bench` (the table) and by tests (the tolerances).
+Used by `make bench` (the table), by tests (the tolerances) and by perf_validation (the
+model lookup); not part of the package.
 """
 
 from __future__ import annotations
@@ -12,15 +14,20 @@ from __future__ import annotations
 import csv
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
-from ..inputs.hardware import Hardware, gpu_kind
-from ..inputs.model import ModelSpec, load_model
-from .budget import GiB, Layout
-from .capabilities import version_traits
-from .planner import Pins, evaluate
+from launcher.errors import InputError
+from launcher.inputs.hardware import Hardware, gpu_kind
+from launcher.inputs.model import ModelSpec, load_model
+from launcher.predict.budget import GiB, Layout
+from launcher.predict.capabilities import version_traits
+from launcher.predict.planner import Pins, evaluate
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "validation"
+CSV = FIXTURES / "startup-observations.csv"
+CONFIGS = FIXTURES / "model-configs"
 
 
 @dataclass
@@ -49,14 +56,20 @@ def version_of(text: str) -> str:
     return v if v.count(".") == 2 else v + ".0"
 
 
-def find_model(name: str, shared: Path) -> ModelSpec:
+def find_model(name: str, config_dirs: Path | Sequence[Path]) -> ModelSpec:
+    """A profile of ours, else `<dir>/<org>--<name>/config.json` from one of `config_dirs`
+    (a single path: the shared data's root, whose reference/model-configs and
+    validation/corpus hold them)."""
+    if isinstance(config_dirs, Path):
+        config_dirs = (config_dirs / "reference" / "model-configs",
+                       config_dirs / "validation" / "corpus")
     try:
         return load_model(name)
     except InputError:
         pass
     folder = name.replace("/", "--").lower()
     short = folder.split("--")[-1]
-    for base in (shared / "reference" / "model-configs", shared / "validation" / "corpus"):
+    for base in config_dirs:
         for d in sorted(base.glob("*/config.json")):
             got = d.parent.name.lower()
             if got == folder or ("/" not in name and got.split("--")[-1].startswith(short)):
@@ -64,12 +77,12 @@ def find_model(name: str, shared: Path) -> ModelSpec:
     raise InputError(f"no config for {name}")
 
 
-def predict_row(row: dict[str, str], shared: Path) -> list[RowResult]:
+def predict_row(row: dict[str, str], config_dirs: Sequence[Path]) -> list[RowResult]:
     """Predict one start-up; raises InputError with the reason when the row is not expressible."""
     quant = row["weights_dtype_or_quant"].lower()
     if "awq" in quant or "dummy" in quant:
         raise InputError(f"{row['model']}: checkpoint config not available ({quant})")
-    spec = find_model(row["model"], shared)
+    spec = find_model(row["model"], config_dirs)
     kind = gpu_kind(row["gpu_class"].split()[0].replace("(inferred)", ""))
     total_gib = _num(row["gpu_total_mem_reported_gib"])
     total = int(total_gib * GiB) if total_gib else kind.total_bytes
@@ -80,7 +93,8 @@ def predict_row(row: dict[str, str], shared: Path) -> list[RowResult]:
     version = version_of(row["vllm_version"])
     traits = version_traits(version)
     engine = "v0" if "V0" in row["engine"] else "v1"
-    align = 128 if "VLLM_MLA_CUDA_MEM_ALIGN_KV_CACHE=1" in row["evidence"] or \
+    settings = row.get("evidence", "") + " " + row.get("env", "")
+    align = 128 if "VLLM_MLA_CUDA_MEM_ALIGN_KV_CACHE=1" in settings or \
         (engine == "v0" and traits.mla_cache_align) else 0
     traits = dataclasses.replace(traits, engine=engine, mla_cache_align=align)
     util = _num(row["gpu_memory_utilization"]) or traits.default_gpu_memory_utilization
@@ -118,14 +132,14 @@ def predict_row(row: dict[str, str], shared: Path) -> list[RowResult]:
     return out
 
 
-def run(csv_path: Path) -> tuple[list[RowResult], list[tuple[str, str]]]:
+def run(csv_path: Path = CSV, config_dirs: Sequence[Path] = (CONFIGS,)
+        ) -> tuple[list[RowResult], list[tuple[str, str]]]:
     """All rows: (results, skipped rows with the reason)."""
-    shared = csv_path.resolve().parents[1]
     results, skipped = [], []
     with csv_path.open() as f:
         for row in csv.DictReader(f):
             try:
-                results += predict_row(row, shared)
+                results += predict_row(row, config_dirs)
             except InputError as e:
                 skipped.append((row["row_id"], str(e)))
     return results, skipped

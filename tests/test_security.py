@@ -150,6 +150,8 @@ def test_multinode_exec_dry_run_never_prints_a_secret(tmp_path, monkeypatch):
                   log_dir=tmp_path, dry_run=True, verbose=False, startup_timeout=5,
                   extra=["--api-key", key], out=lines.append)
     assert rc == 0 and key not in "\n".join(lines) and REDACTED in lines[-1]
+    words = lines[-1].split()
+    assert words[words.index("--host") + 1] == "127.0.0.1"  # the leader: loopback unless told
 
 
 def test_tune_refuses_a_secret_in_a_candidate_before_recording_it(tmp_path):

@@ -58,8 +58,10 @@ def format_option(help: str, *extra: str):
               help="Seconds allowed for each fetch of vLLM's /metrics.")
 @click.option("--cache-ttl", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
               help="Seconds a fetch of vLLM's /metrics is reused across scrapes.")
+@format_option("text: what it serves, one line each; json: the same as JSON lines "
+               "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
-                 cache_ttl: float) -> None:
+                 cache_ttl: float, fmt: str) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from .observe import exporter
     from .run.emit import load_plan, startup_deadline_s
@@ -67,7 +69,14 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
     plan = load_plan(plan_path) if plan_path else None
     exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl,
                             startup_timeout_s=startup_deadline_s if plan else None)
-    exporter.run_forever(exp, port, bind, click.echo)
+    if fmt == "json":
+        import json
+
+        def echo(s: str) -> None:
+            click.echo(json.dumps({"message": s}))
+    else:
+        echo = click.echo
+    exporter.run_forever(exp, port, bind, echo)
 
 
 @cli.command("gpus")
@@ -78,13 +87,17 @@ def gpus_cmd(fmt: str) -> None:
     import os
 
     from .inputs import inventory
+    from .term import width
 
-    inv = inventory.read_inventory()
+    try:
+        inv = inventory.read_inventory()
+    except inventory.NoGPUError as e:
+        raise inventory.no_gpu_for_gpus(e) from None
     if fmt == "json":
         click.echo(json.dumps(inv.to_dict(), indent=2))
     else:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        click.echo(inventory.render_table(inv, color=color))
+        click.echo(inventory.render_table(inv, color=color, width=width()))
 
 
 def _hardware(gpus: str | None):
@@ -164,9 +177,12 @@ def serving_options() -> list:
 _WORKLOAD_KEYS = ("input_len", "output_len", "workload", "objective", "slo", "concurrency")
 
 
-def workload_options(f):
+def workload_options(f=None, *, concurrency: bool = True):
     """What the deployment is for: lengths, SLO, objective. Without them the plan says it
-    assumed the chat preset and the default SLO."""
+    assumed the chat preset and the default SLO. `concurrency`: offer --concurrency (a plan's
+    extra operating point; capacity sizes by its own load instead)."""
+    if f is None:
+        return lambda g: workload_options(g, concurrency=concurrency)
     opts = [
         click.option("--input-len", type=int, help="Mean prompt tokens per request."),
         click.option("--output-len", type=int, help="Mean answer tokens per request."),
@@ -186,6 +202,8 @@ def workload_options(f):
                      help="Also predict the chosen layout at N requests in flight "
                           "(vllm bench serve --max-concurrency N)."),
     ]
+    if not concurrency:
+        opts = opts[:-1]
     for opt in reversed(opts):
         f = opt(f)
     return f
@@ -275,27 +293,63 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
 
     Exit 0 when it fits, 3 when it does not, 2 for bad input.
     """
+    if output:
+        _check_folder(output, "-o")
     plan = build_plan(model, gpus, revision, **pins)
     d = plan.to_dict()
-    if plot_path and d["fits"]:
-        from .plot import plan_plot
+    if plot_path:
+        if d["fits"]:
+            from .plot import plan_plot
 
-        plan_plot(d, plot_path)
-    text = format_plan(d, fmt)
-    if output:
-        _warn_format_named(output)
-        _write_atomic(output, text)
-    else:
-        click.echo(text)
-    if emit_dir:
+            plan_plot(d, plot_path)
+        else:
+            click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
+                       "fit (no performance to plot)", err=True)
+    if emit_dir:  # before printing: a folder that cannot be written is one line, not a plan
         from .run.emit import emit_plan, write_termination_message
 
         if not d["fits"]:
             write_termination_message(format_plan(d, "text"), termination_log)
         else:
             emit_plan(d, emit_dir)
+    text = format_plan(d, fmt)
+    if output:
+        _warn_format_named(output)
+        _write_atomic(output, text)
+    else:
+        click.echo(_fit(text) if fmt == "text" else text)
     if not d["fits"]:
         sys.exit(3)
+
+
+def _check_folder(path: str, flag: str) -> None:
+    """The folder a file goes to must exist: say so naming the user's path, not the temp file
+    the atomic write would have made there."""
+    from pathlib import Path
+
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise InputError(f"{flag} {path}: folder {folder} does not exist; create it or write "
+                         "elsewhere")
+
+
+def _fit(text: str) -> str:
+    """Plan and capacity text fitted to the terminal (launcher/term.py): long reasons wrap
+    with a hanging indent, the vllm command continues with backslashes."""
+    import shlex
+
+    from . import term
+
+    cols = term.width()
+    out: list[str] = []
+    for line in text.split("\n"):
+        stripped = line.lstrip()
+        if " vllm serve " in line or stripped.startswith("vllm serve "):
+            lead = line[:len(line) - len(stripped)]
+            out += term.command(shlex.split(stripped), cols, indent=lead)
+        else:
+            out += term.fit([line], cols)
+    return "\n".join(out)
 
 
 @cli.command("capacity")
@@ -303,7 +357,7 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
 @revision_option
 @click.option("--users", type=int, help="Concurrent users, each with one request in flight.")
 @click.option("--rps", type=float, help="Requests per second arriving (open loop).")
-@workload_options
+@workload_options(concurrency=False)
 @click.option("--gpus", "gpu_options", multiple=True,
               help="GPU options to compare, e.g. 8xH200 2x8xH100 (repeat or comma-separate). "
                    "Default: every data-centre GPU in the catalog that can hold the model.")
@@ -316,15 +370,22 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
               help="Extra replicas for failures and rollouts.")
 @click.option("--max-model-len", type=int, help="Context each replica serves (default: full).")
 @click.option("--vllm-version", help="Plan for this vLLM version (default: installed).")
+@click.option("--mtp/--no-mtp", "speculative", default=None,
+              help="Pin MTP speculative decoding on or off for every option (default: each "
+                   "option's plan decides, as `vlaunch plan` does).")
 @format_option("text: a table for people; json: for scripts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
 def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float | None,
                  gpu_options: tuple[str, ...],
                  prices: tuple[str, ...], headroom: float, spare: int,
-                 max_model_len: int | None, vllm_version: str | None, fmt: str,
-                 plot_path: str | None, **kw) -> None:
-    """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s)."""
+                 max_model_len: int | None, vllm_version: str | None,
+                 speculative: bool | None, fmt: str, plot_path: str | None, **kw) -> None:
+    """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s).
+
+    Each option's replica is the plan `vlaunch plan` makes for it. Exit 0 with a
+    recommendation, 3 when no option meets the SLO (naming the closest miss), 2 for bad input.
+    """
     import json
 
     from .inputs.model import load_model
@@ -338,12 +399,21 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     spec = load_model(model, revision)
     d = capacity.plan_capacity(spec, load, goals["workload"], goals["slo"], options or None,
                                price_map, headroom, spare,
-                               _pins(max_model_len=max_model_len, vllm_version=vllm_version))
+                               _pins(max_model_len=max_model_len, vllm_version=vllm_version,
+                                     speculative=speculative),
+                               objective=goals["objective"])
     if plot_path:
         from .plot import capacity_plot
 
         capacity_plot(d, plot_path)
-    click.echo(json.dumps(d, indent=2) if fmt == "json" else capacity.render(d))
+    if fmt == "json":
+        click.echo(json.dumps(d, indent=2))
+    else:
+        from . import term
+
+        click.echo(capacity.render(d, term.width()))
+    if d["recommended"] is None:
+        raise NotFitError(capacity.miss_message(d))
 
 
 @cli.command("profiles")
@@ -353,20 +423,23 @@ def profiles_cmd(fmt: str) -> None:
     import json
 
     from .inputs.model import list_profiles
-    from .predict.budget import GiB, param_count, weights_bytes
+    from .predict.budget import GiB, checkpoint_scale, param_count, weights_bytes
 
+    # the plan's names for the same things: model.params, .weights_bytes, .max_context
     rows = [{"name": p.name, "hf_id": p.hf_id, "architecture": p.architecture,
-             "params_b": round(param_count(p) / 1e9, 2),
-             "weights_gib": round(weights_bytes(p) / GiB, 1), "context": p.max_context,
-             "attention": p.attention, "quantization": p.quant.method}
+             "params": param_count(p),
+             "weights_bytes": round(weights_bytes(p) * checkpoint_scale(p)),
+             "max_context": p.max_context, "attention": p.attention,
+             "quantization": p.quant.method}
             for p in list_profiles()]
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2))
         return
     click.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
     for r in rows:
-        click.echo(f"{r['name']:24} {r['params_b']:>8.1f}B {r['weights_gib']:>6.1f} GiB "
-                   f"{r['context']:>8,}  {r['attention']:9}  {r['quantization']}")
+        click.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
+                   f"{r['weights_bytes'] / GiB:>6.1f} GiB "
+                   f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
 
 
 def _serve_options(f):
@@ -390,6 +463,8 @@ def _serve_options(f):
         click.option("-q", "--quiet", is_flag=True, help="Do not print the plan and progress."),
         click.option("-v", "--verbose", is_flag=True, help="Echo vLLM's log, prefixed."),
         click.option("--dry-run", is_flag=True, help="Print the exact command and environment."),
+        format_option("text: the plan and progress; json: the outcome (with --dry-run the "
+                      "command and environment) on stdout, progress on stderr."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -397,24 +472,38 @@ def _serve_options(f):
 
 
 def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
+    import dataclasses
+    import json
     from pathlib import Path
 
     from .run.serve import serve
 
     log_dir = Path(opts["log_dir"])
     log_dir.mkdir(parents=True, exist_ok=True)
+    from .term import fit, width
+
+    as_json = opts["fmt"] == "json"  # progress goes to stderr, one JSON document to stdout
+    cols = width(sys.stderr if as_json else sys.stdout)
+
+    def out(text: str) -> None:
+        for line in fit([text], cols):  # long messages wrap under their own indent
+            click.echo(line, err=as_json)
+
     result = serve(spec, hw, pins, list(extra), max_attempts=opts["max_attempts"],
                    quiet=opts["quiet"], verbose=opts["verbose"], dry_run=opts["dry_run"],
                    metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
-                   stop_timeout=_stop_timeout(opts), out=lambda s: click.echo(s), goals=goals,
-                   plan_hook=plan_hook, host=opts["host"])
+                   stop_timeout=_stop_timeout(opts),
+                   out=out, goals=goals, plan_hook=plan_hook, host=opts["host"])
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     sys.exit(result.exit_code)
 
 
 _SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "port", "host",
-               "startup_timeout", "stop_timeout", "log_dir", "quiet", "verbose", "dry_run")
+               "startup_timeout", "stop_timeout", "log_dir", "quiet", "verbose", "dry_run",
+               "fmt")
 
 
 def _stop_timeout(opts: dict) -> float:
@@ -473,13 +562,20 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
         launch = build_launch(d, role=role)
         log_dir = Path(opts["log_dir"])
         log_dir.mkdir(parents=True, exist_ok=True)
-        sys.exit(run_node(launch, d, port=opts["port"],
-                          metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
-                          metrics_bind=opts["metrics_bind"], log_dir=log_dir,
-                          dry_run=opts["dry_run"], verbose=opts["verbose"],
-                          startup_timeout=opts["startup_timeout"],
-                          stop_timeout=_stop_timeout(opts), extra=list(extra), out=click.echo,
-                          host=opts["host"]))
+        as_json = opts["fmt"] == "json"
+        rc = run_node(launch, d, port=opts["port"],
+                      metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
+                      metrics_bind=opts["metrics_bind"], log_dir=log_dir,
+                      dry_run=opts["dry_run"], verbose=opts["verbose"],
+                      startup_timeout=opts["startup_timeout"],
+                      stop_timeout=_stop_timeout(opts), extra=list(extra),
+                      out=lambda s: click.echo(s, err=as_json), host=opts["host"])
+        if as_json:
+            import json
+
+            click.echo(json.dumps({"exit_code": rc, "role": launch.role,
+                                   "node_rank": launch.node_rank}, indent=2))
+        sys.exit(rc)
     from .predict.planner import inputs_from_plan
 
     spec, hw, pins = inputs_from_plan(d)
@@ -635,7 +731,9 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     if fmt == "json":
         click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
     else:
-        click.echo(doctor.render(report, names))
+        from .term import width
+
+        click.echo(doctor.render(report, names, width()))
     sys.exit(1 if report.diagnoses else 0)
 
 

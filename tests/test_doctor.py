@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from click.testing import CliRunner
 
 from launcher.cli import cli
 from launcher.errors import InputError
+from launcher.inputs import vllm_failures as vf
 from launcher.inputs.hardware import parse_gpus
 from launcher.observe import doctor
 from launcher.predict.planner import Pins
@@ -77,6 +79,20 @@ EXPECTED: dict[str, tuple[str, str, str, list[str] | None, dict[str, str]]] = {
     "engine_ready_timeout.log": ("engine_ready_timeout", "loading_weights", "none", [], {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}),
     "max_len_exceeds_model.log": ("max_model_len_exceeds_model", "starting", "none", ["--max-model-len", "163840"], {}),
     "tp_not_divisible.log": ("tp_not_divisible", "starting", "none", ["--tensor-parallel-size", "8"], {}),
+    # V0 (0.6.0 to 0.10.x, worker/worker.py raise_if_cache_size_invalid): tokens, not GiB
+    "kv_short_v06_tokens.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "40624"], {}),
+    # 0.8.5 prints "Based on the available memory," and loses the estimate: 40960 x 4.32/5.62, less 2%
+    "kv_short_v085_lost_estimate.log": ("kv_cache_too_small", "kv_cache", "kv_cache", ["--max-model-len", "30855"], {}),
+    "oom_pooler_warmup.log": ("sampler_warmup_oom", "profiling", "activations", ["--max-num-seqs", "128"], {}),
+    # NCCL's own WARN lines (src/misc/shmutils.cc, transport/net_ib.cc, misc/socket.cc, CUDACHECK)
+    "nccl_shm_container.log": ("nccl_shared_memory", "starting", "none", [], {}),
+    "nccl_peer_access.log": ("nccl_peer_access", "starting", "none", ["--disable-custom-all-reduce"], {"NCCL_P2P_DISABLE": "1"}),
+    "nccl_ib_completion.log": ("nccl_infiniband", "loading_weights", "none", [], {}),
+    "nccl_socket_closed.log": ("nccl_socket", "starting", "none", [], {}),
+    "cpu_head_dim16.log": ("cpu_attention_head_size", "serving", "none", [], {}),
+    # 0.11 and 0.14 word the engine start-up timeout as a handshake that never came
+    "engine_handshake_timeout_v011.log": ("engine_ready_timeout", "loading_weights", "none", [], {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}),
+    "quant_moe_wna16_awq.log": ("quantization_unsupported", "starting", "weights", [], {}),
 }
 
 # name: a piece of the error line that must be in the evidence.
@@ -96,7 +112,13 @@ UNKNOWN = {
 }
 
 
-def _diagnose(name: str, ctx=None) -> doctor.Report:
+def _diagnose(name: str, ctx=None) -> vf.Report:
+    """The fixture's diagnosis: the log-only fixes without a context (what the table below
+    pins), or the planner-checked ones with it."""
+    if ctx is None:
+        report = vf.scan_source(str(FIXTURES / name))[0]
+        doctor.apply_log_fixes(report)
+        return report
     return doctor.diagnose(str(FIXTURES / name), ctx)[0]
 
 
@@ -114,14 +136,16 @@ def test_fixture_diagnosis(name: str):
     assert len(report.diagnoses) == 1, [d.cause for d in report.diagnoses]
     d = report.root
     assert (d.cause, d.phase, d.consumer) == (cause, phase, consumer)
-    assert d.consumer in doctor.CONSUMERS and d.phase in doctor.PHASES
+    assert d.consumer in vf.CONSUMERS and d.phase in vf.PHASES
     if fix_args is not None:
         assert d.fix_args == fix_args
     assert d.fix_env == fix_env
     assert d.evidence and d.explain
     # a fix with flags comes with the `vlaunch serve` command that applies it
     if d.fix_args and report.facts.arg("model"):
-        assert d.serve_command and d.serve_command.startswith("vlaunch serve ")
+        assert d.serve_command and "vlaunch serve " in d.serve_command
+        env = " ".join(f"{k}={v}" for k, v in d.fix_env.items())
+        assert d.serve_command.startswith((env + " vlaunch serve ") if env else "vlaunch serve ")
         for flag in d.fix_args[::2]:
             assert doctor._VLAUNCH_PINS.get(flag, flag) in d.serve_command
 
@@ -175,7 +199,7 @@ def test_restart_appended_diagnoses_the_last_launch():
 def test_root_cause_is_the_first_direct_error_not_the_exit_code():
     text = (FIXTURES / "oom_profiling.log").read_text().replace(
         "Failed core proc(s): {'EngineCore': 1}", "Failed core proc(s): {'EngineCore': -9}")
-    report = doctor.scan_text(text)
+    report = vf.scan_text(text)
     assert [d.cause for d in report.diagnoses] == ["cuda_oom", "host_oom_killed"]
 
 
@@ -188,10 +212,11 @@ def test_transient_failures_are_marked():
 
 def test_numbers_from_vllms_message():
     d = _diagnose("kv_short_models_estimate.log").root
-    assert d.numbers == {"max_model_len": "163840", "needed": "10.72", "unit": "GiB",
-                         "available": "5.95", "estimate": "90880"}
+    # numbers are numbers (JSON shows them unquoted), words stay words
+    assert d.numbers == {"max_model_len": 163840, "needed": 10.72, "unit": "GiB",
+                         "available": 5.95, "estimate": 90880}
     d = _diagnose("free_mem_v032.log").root
-    assert (d.numbers["device"], d.numbers["free"], d.numbers["total"]) == ("cuda:0", "30.12", "79.19")
+    assert (d.numbers["device"], d.numbers["free"], d.numbers["total"]) == ("cuda:0", 30.12, 79.19)
 
 
 def test_phases_follow_vllms_markers():
@@ -205,9 +230,9 @@ def test_phases_follow_vllms_markers():
         ("(APIServer pid=1) INFO 11-30 10:00:06 [loggers.py:283] Engine 000: Avg prompt throughput: 1.0 tokens/s", "serving"),
     ]
     for line, phase in lines:
-        assert doctor.phase_of(split := doctor.split_line(1, line).content)[0] == phase, split
-    assert [p for _, p in lines] == list(doctor.PHASES)
-    report = doctor.scan_text("\n".join(x for x, _ in lines))
+        assert vf.phase_of(split := vf.split_line(1, line).content)[0] == phase, split
+    assert [p for _, p in lines] == list(vf.PHASES)
+    report = vf.scan_text("\n".join(x for x, _ in lines))
     assert report.phase == "serving" and report.diagnoses == []
     assert report.facts.number("weights_gib") == 78.45
 
@@ -218,14 +243,14 @@ def test_warnings_that_mention_failures_are_not_failures():
         "(APIServer pid=1) INFO 11-30 10:00:01 [x.py:1] Port 8000 is already in use, trying port 8001\n"
         "INFO:     Application startup complete.\n"
     )
-    report = doctor.scan_text(text)
+    report = vf.scan_text(text)
     assert report.diagnoses == []
 
 
 def test_overlong_lines_are_cut_and_the_error_after_them_still_found():
     big = "(APIServer pid=1) INFO 11-30 10:00:00 [x.py:1] config: " + "x" * 1_000_000 + "\n"
     text = big + "ValueError: No available memory for the cache blocks. Try increasing ...\n"
-    report, _ = doctor.scan_source("-", stdin=io.StringIO(text))
+    report, _ = vf.scan_source("-", stdin=io.StringIO(text))
     assert report.root.cause == "no_kv_cache_memory"
     assert report.lines == 2
 
@@ -257,19 +282,110 @@ def h200_ctx() -> doctor.PlanContext:
 def test_planner_fix_for_kv_shortage_uses_the_measured_estimate(h200_ctx):
     d = _diagnose("ranks8_kv_short_dp8.log", h200_ctx).root
     assert d.fix_args == ["--max-model-len", "90880"]
-    assert d.serve_command == "vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 --max-model-len 90880"
-    assert d.explain[0].startswith("re-planned by vlaunch's planner")
+    # the run line is the failed launch (its --dp 8 from the log) with the fix applied
+    assert d.serve_command.startswith("vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 ")
+    assert "--tp 1 --pp 1 --dp 8 --max-model-len 90880" in d.serve_command
+    assert d.explain[0].startswith("checked by vlaunch's planner")
 
 
-def test_planner_fix_for_kv_dtype_and_graphs(h200_ctx):
-    assert _diagnose("kv_dtype_no_backend.log", h200_ctx).root.fix_args == ["--kv-cache-dtype", "auto"]
-    assert _diagnose("oom_graph_capture.log", h200_ctx).root.fix_args == ["--enforce-eager"]
+def _pins_of_command(command: str) -> Pins:
+    """The pins a `vlaunch serve` command line sets (what the doctor's run: line re-plans)."""
+    import shlex
+
+    words = shlex.split(command)
+    names = {"--tp": "tp", "--pp": "pp", "--dp": "dp", "--max-model-len": "max_model_len",
+             "--kv-cache-dtype": "kv_cache_dtype", "--max-num-seqs": "max_num_seqs",
+             "--gpu-memory-utilization": "gpu_memory_utilization",
+             "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
+             "--max-num-batched-tokens": "max_num_batched_tokens"}
+    kw: dict = {}
+    for i, w in enumerate(words):
+        if w in names:
+            v = words[i + 1]
+            kw[names[w]] = v if w == "--kv-cache-dtype" else (float(v) if "." in v else int(v))
+        elif w == "--enforce-eager":
+            kw["enforce_eager"] = True
+    return Pins(**kw)
 
 
-def test_planner_keeps_the_log_fix_when_the_replan_does_not_fit(h200_ctx):
-    d = _diagnose("free_mem_v032.log", h200_ctx).root
-    assert d.fix_args == ["--gpu-memory-utilization", "0.37"]
-    assert any("does not fit" in x for x in d.explain)
+PLANNED = sorted(n for n, v in EXPECTED.items() if v[0] in doctor._PLANNED_CAUSES)
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_every_shown_fix_fits_by_the_planner_and_agrees_with_its_run_line(name, h200_ctx):
+    """Property over every planned-cause fixture: a fix that is shown is one the planner says
+    fits, and the `fix:` flags appear with the same values in the `run:` command, which
+    itself re-plans to a plan that fits."""
+    from launcher.predict.planner import make_plan
+
+    report = _diagnose(name, h200_ctx)
+    for d in report.diagnoses:
+        if not d.fix_args:
+            assert d.serve_command is None or d.fix_env
+            continue
+        words = d.serve_command.split()
+        for i in range(0, len(d.fix_args)):
+            flag = d.fix_args[i]
+            if not flag.startswith("--"):
+                continue
+            mine = doctor._VLAUNCH_PINS.get(flag, flag)
+            assert mine in words, (flag, d.serve_command)
+            if i + 1 < len(d.fix_args) and not d.fix_args[i + 1].startswith("--"):
+                assert words[words.index(mine) + 1] == d.fix_args[i + 1]
+        plan = make_plan(h200_ctx.spec, h200_ctx.hardware, _pins_of_command(d.serve_command))
+        assert plan.fits, (name, d.serve_command, plan.chosen.problem)
+
+
+def _write_log(tmp_path: Path, args: dict, *errors: str) -> Path:
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(APIServer pid=1) INFO 11-30 10:00:01 [api_utils.py:347] vLLM API server version 0.32.0\n"
+        f"(APIServer pid=1) INFO 11-30 10:00:02 [api_utils.py:286] non-default args: {args!r}\n"
+        + "".join(f"(EngineCore pid=2) ERROR 11-30 10:00:09 [core.py:1010] {e}\n" for e in errors))
+    return log
+
+
+def _labelled_line(text: str, label: str) -> str:
+    """The `fix:`/`run:` command of a text report, its backslash continuations joined."""
+    lines = text.splitlines()
+    i = next(n for n, x in enumerate(lines) if x.strip().startswith(f"{label}:"))
+    out = lines[i].split(f"{label}:", 1)[1].strip()
+    while out.endswith("\\"):
+        i += 1
+        out = out[:-1].rstrip() + " " + lines[i].strip()
+    return out
+
+
+def test_no_kv_memory_fix_the_planner_refuses_is_never_shown(tmp_path):
+    """Qwen3-8B at utilization 0.50 on a 24 GB card: the log's "+0.05" fix still leaves the
+    40,960-token request without room; the doctor shows a fix the planner fits instead, and
+    the one it refused only as the reason it was not taken."""
+    log = _write_log(tmp_path, {"model": "Qwen/Qwen3-8B", "max_model_len": 40960,
+                                "gpu_memory_utilization": 0.5},
+                     "ValueError: No available memory for the cache blocks. Try increasing "
+                     "`gpu_memory_utilization` when initializing the engine.")
+    ctx = doctor.context_from_model("qwen3-8b", "1xL4", Pins(), {}, parse_gpus("1xL4"))
+    d = doctor.diagnose(str(log), ctx)[0].root
+    assert d.fix_args != ["--gpu-memory-utilization", "0.55"]
+    assert any("0.55" in x and "does not fit" in x for x in d.explain)
+    r = CliRunner().invoke(cli, ["doctor", str(log), "qwen3-8b", "--gpus", "1xL4"])
+    fix, run = _labelled_line(r.output, "fix"), _labelled_line(r.output, "run")
+    flags = fix.split()
+    for i in range(0, len(flags), 2):
+        assert f"{flags[i]} {flags[i + 1]}" in run
+
+
+def test_max_len_fix_never_offers_more_kv_bytes_than_the_log_had(tmp_path):
+    log = _write_log(tmp_path, {"model": "Qwen/Qwen3-8B", "max_model_len": 40960},
+                     "ValueError: To serve at least one request with the model's max seq len "
+                     "(40960), (5.62 GiB KV cache is needed, which is larger than the available "
+                     "KV cache memory (4.32 GiB). Based on the available memory, the estimated "
+                     "maximum model length is 31488. Try increasing `gpu_memory_utilization`")
+    report = vf.scan_source(str(log))[0]
+    doctor.apply_log_fixes(report)
+    d = report.root
+    assert d.fix_args == ["--max-model-len", "31488"]
+    assert not any("--kv-cache-memory-bytes" in x for x in d.explain)
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -339,7 +455,7 @@ def test_unreadable_log_is_an_input_error(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(Path, "open", denied)
     with pytest.raises(InputError, match="cannot read"):
-        doctor.scan_source(str(log))
+        vf.scan_source(str(log))
 
 
 # --- serve's retries use the same classifier (issue 12, item 5) ----------------------------------
@@ -370,3 +486,210 @@ def test_serve_retries_a_transient_failure_once_with_the_same_flags(h200_ctx):
         step = next_attempt(pins, plan, failure, ["--seed", "1"], False)
         assert step == (pins, ["--seed", "1"], step[2], True) and "transient" in step[2]
         assert next_attempt(pins, plan, failure, ["--seed", "1"], True) is None
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(module imported, inside a function?) for every import of a launcher source file."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    out: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.ImportFrom) and child.level:
+                pkg = path.parent.relative_to(Path(doctor.__file__).parents[2]).parts
+                base = ".".join(pkg[:len(pkg) - child.level + 1])
+                out.append((f"{base}.{child.module}" if child.module else base, inner))
+            visit(child, inner)
+
+    visit(tree, False)
+    return out
+
+
+def test_failure_classification_sits_below_run_and_observe():
+    """No circle serve -> doctor -> serve or vllmlog -> doctor -> vllmlog, not even through an
+    import inside a function: the table imports neither stage, the doctor never imports run,
+    and vllmlog reaches the table directly."""
+    root = Path(doctor.__file__).parents[1]
+    table = _imports(root / "inputs" / "vllm_failures.py")
+    assert table and all(not m.startswith(("launcher.run", "launcher.observe", "launcher.predict"))
+                         for m, _ in table)
+    for name in ("observe/doctor.py", "run/vllmlog.py", "inputs/vllm_failures.py",
+                 "predict/replan.py"):
+        found = _imports(root / name)
+        assert not [m for m, nested in found if nested], name
+    assert not [m for m, _ in _imports(root / "observe" / "doctor.py")
+                if m.startswith("launcher.run")]
+    for path in (root / "observe").glob("*.py"):
+        assert "launcher.run.serve" not in [m for m, _ in _imports(path)], path
+    assert "launcher.observe.doctor" not in [m for m, _ in _imports(root / "run" / "vllmlog.py")]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, v in EXPECTED.items()
+                                         if v[0] in vf._NCCL_SPECIFIC))
+def test_nccl_evidence_starts_with_the_line_that_says_why(name):
+    """The first evidence line is the WARN/ERROR line that names the failure, never a quoted
+    `raise` source line; NCCL's own WARN line beats torch's "NCCL error" summary."""
+    d = _diagnose(name).root
+    first = d.evidence[0]
+    assert "NCCL WARN" in first, d.evidence
+    assert not any(e.split("] ", 1)[-1].lstrip().startswith("raise ") for e in d.evidence)
+    assert d.explain and all("no vLLM flag fixes it" not in x for x in d.explain)
+
+
+def test_shared_memory_advice_matches_vlaunchs_own_manifests():
+    """The doctor tells a pod to mount a memory emptyDir at /dev/shm "as vlaunch's manifests
+    do": each manifest it names must really mount one."""
+    import yaml
+
+    root = Path(__file__).parents[1]
+    for rel in doctor.SHM_MANIFESTS:
+        docs = [d for d in yaml.safe_load_all((root / rel).read_text()) if d]
+        text = json.dumps(docs)
+        assert '"mountPath": "/dev/shm"' in text, rel
+        assert '"medium": "Memory"' in text, rel
+    d = _diagnose("nccl_shm_container.log").root
+    assert d.ranks == 2 and any("--shm-size" in x for x in d.explain)
+    assert any("medium: Memory" in x and "/dev/shm" in x for x in d.explain)
+    assert d.numbers["size"] == 9637892 and d.numbers["segment"].startswith("/dev/shm/nccl-")
+
+
+def test_the_planner_refuses_a_head_size_the_cpu_backend_lacks(tmp_path):
+    """A tiny Llama with head size 16 plans on a GPU and is refused on CPU, naming the sizes
+    vLLM's CPU attention backend supports; the supported list is the one in vLLM's source."""
+    from launcher.inputs.model import load_model
+    from launcher.predict import capabilities
+    from launcher.predict.planner import make_plan
+
+    for head_dim in (16, 32, 48, 64, 128):
+        cfg = {"model_type": "llama", "hidden_size": 4 * head_dim, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256,
+               "vocab_size": 512, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        spec = load_model(str(tmp_path))
+        cpu = make_plan(spec, parse_gpus("cpu"), Pins())
+        supported = head_dim in capabilities.CPU_ATTENTION_HEAD_SIZES["gqa"][1]
+        assert cpu.fits == supported, (head_dim, cpu.chosen.problem)
+        if not supported:
+            assert f"head size {head_dim}" in cpu.chosen.problem and "32, 64, 80" in cpu.chosen.problem
+        assert make_plan(spec, parse_gpus("1xL4"), Pins()).fits
+    src = Path(capabilities.__file__).parents[2]  # the vLLM source, when installed here
+    import importlib.util
+
+    spec_v = importlib.util.find_spec("vllm")
+    if spec_v and spec_v.origin:
+        text = (Path(spec_v.origin).parent / "v1/attention/backends/cpu_attn.py").read_text()
+        listed = text.split("def get_supported_head_sizes", 1)[1].split("return", 1)[1]
+        assert listed.split("]")[0].strip(" [") == ", ".join(
+            map(str, capabilities.CPU_ATTENTION_HEAD_SIZES["gqa"][1]))
+    assert src.exists()
+
+
+def test_only_regular_vllm_logs_are_read(tmp_path: Path):
+    """/dev/zero never ends and a FIFO blocks: both are refused before a byte is read; a file
+    that is not a vLLM log (random bytes, an os-release) gets the folder scan's rule: exit 2,
+    one line, never "no failure found"."""
+    import os
+    import random
+
+    fifo = tmp_path / "pipe.log"
+    os.mkfifo(fifo)
+    noise = tmp_path / "noise.log"
+    noise.write_bytes(random.Random(7).randbytes(200_000).replace(b"vllm", b"xxxx"))
+    release = tmp_path / "os-release"
+    release.write_text('NAME="Debian GNU/Linux"\nVERSION_ID="12"\nID=debian\n')
+    for path, message in ((Path("/dev/zero"), "not a regular file"), (fifo, "not a regular file"),
+                          (noise, "not a vLLM log"), (release, "not a vLLM log")):
+        r = CliRunner().invoke(cli, ["doctor", str(path)])
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.output
+    r = CliRunner().invoke(cli, ["doctor", "-"], input=release.read_text())
+    assert r.exit_code == 2 and "not a vLLM log" in r.output
+
+
+def test_a_log_bigger_than_the_cap_is_read_from_its_tail(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(vf, "MAX_BYTES", 4096)
+    log = tmp_path / "vllm.log"
+    head = (FIXTURES / "kv_short_v032_cpu.log").read_text()
+    filler = "(APIServer pid=1) INFO 11-30 10:00:00 [x.py:1] vllm says hello\n" * 500
+    log.write_text(head + filler + (FIXTURES / "nccl_socket_closed.log").read_text())
+    report = vf.scan_source(str(log))[0]
+    assert report.lines < 200 and report.root.cause == "nccl_socket"
+
+
+def test_evidence_escapes_control_characters_and_hides_secrets(tmp_path: Path):
+    evil = "\x1b]0;owned\x07\x1b[2J"
+    log = _write_log(tmp_path, {"model": "qwen3-8b", "api_key": "sk-live-123",
+                                "hf_token": "hf_abc", "max_model_len": 40960},
+                     f"ValueError: No available memory for the cache blocks.{evil} "
+                     "args: {'api_key': 'sk-live-123'}")
+    for fmt in ("text", "json"):
+        r = CliRunner().invoke(cli, ["doctor", str(log), "--format", fmt])
+        assert r.exit_code == 1, r.output
+        assert "\x1b" not in r.output and "\x07" not in r.output
+        assert "sk-live-123" not in r.output and "hf_abc" not in r.output
+    r = CliRunner().invoke(cli, ["doctor", str(log)])
+    assert "\\x1b]0;owned\\x07" in r.output
+    run = _labelled_line(r.output, "run")
+    assert '--api-key "$VLLM_API_KEY"' in run and '--hf-token "$HF_TOKEN"' in run
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_skipping_to_the_last_launch_changes_nothing(tmp_path: Path, seed: int):
+    """A file is read from its last launch (what a restart resets to); the report must equal
+    the one a line-by-line scan of the whole text gives, lines and launches included, for any
+    order of appended start-ups, in one file or split over a folder."""
+    import random
+
+    logs = sorted(FIXTURES.glob("*.log"))
+    rng = random.Random(seed)
+    picked = [rng.choice(logs).read_text() for _ in range(rng.randint(1, 12))]
+    text = "".join(picked)
+    whole = vf.scan_text(text)
+    one = tmp_path / "one" / "vllm.log"
+    one.parent.mkdir()
+    one.write_text(text)
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i, part in enumerate(picked):
+        p = folder / f"vllm-{i:02d}.log"
+        p.write_text(part)
+        os.utime(p, (1_000_000 + i, 1_000_000 + i))
+    for source in (str(one), str(folder)):
+        got = vf.scan_source(source)[0]
+        assert (got.lines, got.launches, got.phase) == (whole.lines, whole.launches, whole.phase)
+        assert [d.to_dict() for d in got.diagnoses] == [d.to_dict() for d in whole.diagnoses]
+
+
+def test_every_rule_match_holds_one_of_its_keys():
+    """The keys that let a line skip a rule's pattern must never hide a match: every fixture
+    line any rule's pattern matches holds one of that rule's keys."""
+    assert set(vf.RULE_KEYS) == {r.cause for r in vf.RULES}
+    for path in FIXTURES.glob("*.log"):
+        for line in path.read_text().splitlines():
+            content = vf.split_line(0, line).content
+            for rule in vf.RULES:
+                if rule.pattern.search(content):
+                    assert any(k in content for k in vf.RULE_KEYS[rule.cause]), (rule.cause, line)
+
+
+def test_a_kv_size_alternative_is_offered_only_when_the_planner_fits_it(tmp_path):
+    """A pinned-KV launch that ran out of context: the log-only explanation offers the KV
+    bytes the asked context needs; with the model and GPUs known that offer survives only if
+    the planner fits it (40 GiB of KV next to Qwen3-8B's weights on a 24 GB L4 does not)."""
+    log = _write_log(tmp_path, {"model": "Qwen/Qwen3-8B", "max_model_len": 40960,
+                                "kv_cache_memory_bytes": 2 << 30},
+                     "ValueError: To serve at least one request with the model's max seq len "
+                     "(40960), (40.00 GiB KV cache is needed, which is larger than the available "
+                     "KV cache memory (2.00 GiB). Based on the available memory, the estimated "
+                     "maximum model length is 2048. Try increasing `gpu_memory_utilization`")
+    report = vf.scan_source(str(log))[0]
+    doctor.apply_log_fixes(report)
+    assert any("--kv-cache-memory-bytes" in x and "if the device" in x for x in report.root.explain)
+    for gpus, fits in (("1xL4", False), ("1xH200", True)):
+        ctx = doctor.context_from_model("qwen3-8b", gpus, Pins(), {}, parse_gpus(gpus))
+        d = doctor.diagnose(str(log), ctx)[0].root
+        offers = [x for x in d.explain if "--kv-cache-memory-bytes" in x]
+        assert offers and all(("does not fit" in x) != fits for x in offers), (gpus, offers)

@@ -111,7 +111,7 @@ def test_kv_shortage_is_diagnosed_and_the_printed_fix_starts(tiny_model: Path, t
     assert d["fix_args"][0] == "--max-model-len"
     fixed = int(d["fix_args"][1])
     assert 2048 <= fixed < 4096, d
-    assert d["explain"][0].startswith("re-planned by vlaunch's planner")
+    assert d["explain"][0].startswith("checked by vlaunch's planner")
     cmd = shlex.split(d["serve_command"])
     assert cmd[:3] == ["vlaunch", "serve", str(tiny_model)] and "--max-model-len" in cmd
 

@@ -511,9 +511,9 @@ def test_serve_passes_the_id_and_revision_to_vllm_unchanged(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = ["serve", "acme/cached", "--gpus", "1xH100", "--dry-run", "--no-metrics",
             "--log-dir", str(tmp_path)] + (["--revision", revision] if revision else [])
-    r = CliRunner().invoke(cli, args)
+    r = CliRunner().invoke(cli, [*args, "--format", "json"])
     assert r.exit_code == 0, r.output
-    command = r.output.strip().splitlines()[-1].split()
+    command = json.loads(r.stdout)["command"]  # the dry run's argv, as data
     assert "acme/cached" in command and not any("snapshots" in a for a in command)
     if revision:
         assert command[command.index("--revision") + 1] == revision

@@ -268,7 +268,7 @@ def test_gpu_caps_leave_every_catalog_node_and_the_largest_cluster_plannable():
 
 
 def test_divisors_are_all_the_divisors():
-    from launcher.predict.planner import _divisors
+    from launcher.predict.candidates import _divisors
 
     rng = random.Random(7)
     for n in [1, 2, 16, 36, 97, 65536, *(rng.randint(1, 5000) for _ in range(200))]:

@@ -77,6 +77,14 @@ def model(tmp_path: Path) -> Path:
     return d
 
 
+def _last_command(lines: list[str]) -> str:
+    """The last command a dry run printed, its backslash-continued lines joined."""
+    i = len(lines) - 1
+    while i > 0 and lines[i - 1].endswith(" \\"):
+        i -= 1
+    return " ".join(x.strip().removesuffix("\\").strip() for x in lines[i:])
+
+
 def _serve(model: Path, gpus: str = "cpu", pins: Pins | None = None, extra=(), **kw):
     """serve() in-process; returns (result, printed lines)."""
     lines: list[str] = []
@@ -447,7 +455,7 @@ def test_flags_that_change_how_vllm_is_reached_are_used(env, tmp_path, monkeypat
 def test_layout_flags_after_dashdash_are_pins(env, model, tmp_path):
     result, lines = _serve(model, gpus="2xH100", extra=["--tensor-parallel-size", "2"],
                            dry_run=True)
-    command = lines[-1].split()
+    command = result.command
     assert command.count("--tensor-parallel-size") == 1
     assert command[command.index("--tensor-parallel-size") + 1] == "2"
     assert result.plan["parallel"]["tp"] == 2
@@ -546,7 +554,8 @@ def test_ray_worker_runs_ray_start_not_vllm(env, model, tmp_path, fake_ray):
     plan = _ray_plan(model)
     launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=True)
-    words = [w for w in lines[-1].split() if not re.match(r"^[A-Z_]+=", w)]  # after the env
+    words = [w for w in _last_command(lines).split()
+             if not re.match(r"^[A-Z_]+=", w)]  # after the env
     assert rc == 0 and words == ["ray", "start", "--address=10.0.0.1:6379", "--block"]
     _run_node(launch, plan, tmp_path, dry_run=False)
     assert fake_ray() == [["start", "--address=10.0.0.1:6379", "--block"]]
@@ -592,7 +601,7 @@ def test_mp_worker_runs_headless_vllm_and_refuses_a_layout_change(env, model, tm
     plan = make_plan(load_model(str(model)), parse_gpus("2x4xH100"), Pins(tp=4, pp=2)).to_dict()
     launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=True)
-    words = lines[-1].split()
+    words = _last_command(lines).split()
     assert rc == 0 and "--headless" in words and "--port" not in words
     assert words[words.index("serve") + 1] == str(model)
     with pytest.raises(InputError, match="layout is fixed"):

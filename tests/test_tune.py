@@ -318,11 +318,15 @@ def test_tune_end_to_end_on_a_fake_engine(tmp_path: Path, fake_engine, tiny_spec
 
     saved = json.loads((tmp_path / "out" / "tune.json").read_text())
     assert saved["recommended"] == doc["recommended"]
-    for key in ("vllm_version", "hardware", "started_at", "finished_at", "workload", "slo",
+    for key in ("vllm_version", "gpus", "started_at", "finished_at", "workload", "slo",
                 "baseline", "recommended", "trials"):
         assert key in saved, key
     statuses = {t["status"] for t in saved["trials"]}
     assert statuses <= set(T.STATUSES)
+    import jsonschema  # the real tune.json against launcher/schemas/tune.json
+
+    schema = json.loads((Path(T.__file__).parents[1] / "schemas" / "tune.json").read_text())
+    jsonschema.validate(saved, schema)
 
     bad = [t for t in saved["trials"] if t["source"] == "user" and "1000" in t["vllm_args"]]
     assert len(bad) == 1 and bad[0]["status"] == "infeasible"

@@ -239,3 +239,21 @@ def test_cache_config_info_absent_and_none_labels():
     info = vllmlog.parse_cache_config_info(text)
     assert info is not None
     assert info.num_gpu_blocks is None and info.block_size == 128 and info.cache_dtype == "fp8"
+
+
+def test_every_kv_shortage_wording_gives_serve_the_context_that_fits():
+    """Serve re-plans a KV shortage from `estimated_max_model_len`: V0's "maximum number of
+    tokens that can be stored in KV cache (N)" (0.6 to 0.10) and V1's estimate (0.9 on) both
+    fill it; 0.7's and 0.8.5's messages have none, and the GiB figures are there instead."""
+    from pathlib import Path
+
+    fixtures = Path(__file__).parent / "fixtures" / "doctor"
+    expected = {"kv_short_v06_tokens.log": (131072, 40624, None),
+                "kv_short_models_estimate.log": (163840, 90880, 5.95),
+                "kv_short_v085_lost_estimate.log": (40960, None, 4.32),
+                "kv_short_oldest_gb.log": (32768, None, 2.0)}
+    for name, (asked, fits, available) in expected.items():
+        f = vllmlog.classify_failure((fixtures / name).read_text())
+        assert f is not None and f.kind == vllmlog.KV_SHORTAGE, name
+        assert (f.max_model_len, f.estimated_max_model_len, f.available_kv_gib) == \
+            (asked, fits, available), name

@@ -58,6 +58,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import InputError
+from ..term import fit
 from .hardware import GiB, Hardware, kind_for_nvml_name
 
 try:  # nvidia-ml-py is a declared dependency; a broken install still gets the one-line error
@@ -277,8 +278,25 @@ def _is(e: BaseException, *names: str) -> bool:
     return code is not None and any(code == getattr(pynvml, n, object()) for n in names)
 
 
+class NoGPUError(InputError):
+    """No GPU NVML can read; `why` says what failed. The message tells a planning command to
+    pass --gpus; `vlaunch gpus`, which takes no --gpus, words its own (`no_gpu_for_gpus`)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"no usable NVIDIA GPU: {why}; {HOW_TO_PLAN_ANYWAY}")
+        self.why = why
+
+
+def no_gpu_for_gpus(e: NoGPUError) -> InputError:
+    """The `vlaunch gpus` wording: it only reads NVML, so it points at the commands that take
+    --gpus instead of suggesting a flag it rejects."""
+    return InputError(f"no usable NVIDIA GPU: {e.why}; `vlaunch gpus` lists what NVML sees "
+                      "and there is nothing to list; to plan without a GPU: vlaunch plan MODEL "
+                      "--gpus 8xH200 (or --gpus cpu)")
+
+
 def _no_gpu(why: str) -> InputError:
-    return InputError(f"no usable NVIDIA GPU: {why}; {HOW_TO_PLAN_ANYWAY}")
+    return NoGPUError(why)
 
 
 def _init_message(e: BaseException) -> str:
@@ -872,32 +890,55 @@ def _bar(d: Device, color: bool) -> str:
     return f"[{fill}{'.' * (_BAR_WIDTH - n)}]"
 
 
-def render_table(inv: Inventory, color: bool = False) -> str:
-    """The `vlaunch gpus` text: one row per device, problems listed under the table."""
+def render_table(inv: Inventory, color: bool = False, width: int | None = None) -> str:
+    """The `vlaunch gpus` text: one row per device, problems listed under the table.
+
+    With `width` (the terminal's, launcher.term) a row that would run past it lists its
+    processes as a count and their total memory instead of one by one, so the columns stay
+    aligned; the problems under the table wrap with a hanging indent."""
     def g(n: int) -> str:
         return f"{n / GiB:.1f}"
 
-    head = ["GPU", "NAME", "MEMORY GiB (used/free/total)", "CC", "MIG", "PROCESSES", "NVLINK"]
+    head = ["GPU", "NAME", "GiB used/free/total", "CC", "MIG", "PROCESSES", "NVLINK"]
     rows = []
     bars = []
+    listed: list[str] = []
     for d in inv.devices:
         name = d.name.replace("NVIDIA ", "")
         if d.error:
             rows.append([d.label, name, f"error: {d.error}", d.compute_capability or "-", "-",
                          "-", "-"])
             bars.append(" " * (_BAR_WIDTH + 2))
+            listed.append("-")
             continue
         procs = ", ".join(f"{p.pid} {p.name} {_gib(p.used_bytes)}" for p in d.processes) or "-"
+        listed.append(f"{len(d.processes)} processes, "
+                      f"{_gib(sum(p.used_bytes for p in d.processes))}"
+                      if len(d.processes) > 1 else procs)
         mem = f"{g(d.total_bytes - d.free_bytes)}/{g(d.free_bytes)}/{g(d.total_bytes)}"
         rows.append([d.label, name, mem, d.compute_capability or "-",
                      "on" if d.mig_enabled else "off", procs,
                      "-" if d.mig_index is not None else _ranges(d.nvlink_peers)])
         bars.append(_bar(d, color))
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def widths_of(rs: list[list[str]]) -> list[int]:
+        return [max(len(r[i]) for r in [head, *rs]) for i in range(len(head))]
+
+    def too_wide(ws: list[int], bar: bool) -> bool:
+        return width is not None and sum(ws) + 2 * (len(ws) - 1) + (_BAR_WIDTH + 4) * bar > width
+
+    widths = widths_of(rows)
+    if too_wide(widths, True):  # first the process lists, then the bar, give way
+        for r, short in zip(rows, listed, strict=True):
+            if len(r[5]) > len(short):
+                r[5] = short
+        widths = widths_of(rows)
+    show_bar = not too_wide(widths, True)
 
     def line(cells: list[str], bar: str) -> str:
         parts = [c.ljust(w) for c, w in zip(cells, widths, strict=True)]
-        parts.insert(2, bar)  # the bar is always _BAR_WIDTH + 2 visible characters
+        if show_bar:
+            parts.insert(2, bar)  # the bar is always _BAR_WIDTH + 2 visible characters
         return "  ".join(parts).rstrip()
 
     seen = f"{len(inv.devices)} device{'s' if len(inv.devices) != 1 else ''}"
@@ -908,5 +949,6 @@ def render_table(inv: Inventory, color: bool = False) -> str:
     out = [f"driver {inv.driver_version or '?'}  CUDA {inv.cuda_driver_version or '?'}  {seen}",
            line(head, "USE".ljust(_BAR_WIDTH + 2))]
     out += [line(r, b) for r, b in zip(rows, bars, strict=True)]
-    out += [f"! {e}" for e in inv.errors]
+    notes = [f"! {e}" for e in inv.errors]
+    out += fit(notes, width) if width is not None else notes
     return "\n".join(out)

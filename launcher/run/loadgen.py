@@ -294,13 +294,6 @@ class LoadGenerator:
         self.close()
 
 
-def run_benchmark(spec: LoadSpec, timeout: float = 600.0, python: str | None = None,
-                  log_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """One measurement in a fresh child (for one-off checks; tune keeps a child per trial)."""
-    with LoadGenerator(python, log_path=log_path) as gen:
-        return gen.run(spec, timeout=timeout)
-
-
 # ----------------------------------------------------------------------------- child side
 
 

@@ -36,11 +36,16 @@ from typing import Any
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
+from ..inputs.vllm_failures import classify
+from ..observe.doctor import explain_log
 from ..predict.budget import GiB
 from ..predict.capabilities import lesson_key, record_lesson
 from ..predict.planner import Pins, Plan, make_plan
+from ..predict.replan import merge_args, replan_pins
 from ..redact import command_line_warning, redact_args, redact_env
 from ..render import plan_text
+from ..term import command as command_lines
+from ..term import fit, width
 from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadline_s
@@ -50,40 +55,15 @@ from .runner import VllmRunner
 from .vllmargs import VLLM_COMMAND_ENV, arg_value, free_port, serve_both_names, vllm_command
 
 
-def merge_args(planned: list[str], extra: list[str]) -> tuple[list[str], list[str]]:
-    """The plan's vLLM args with the user's extra args on top: a user's flag replaces the plan's
-    flag of the same name. Returns (args, one note per overridden flag)."""
-    def flags(args: list[str]) -> list[tuple[str, list[str]]]:
-        out: list[tuple[str, list[str]]] = []
-        for a in args:
-            if a.startswith("--"):
-                name, eq, value = a.partition("=")
-                out.append((name, [value] if eq else []))
-            elif out:
-                out[-1][1].append(a)
-        return out
-
-    mine = flags(extra)
-    names = {n for n, _ in mine}
-    notes, merged = [], []
-    for name, values in flags(planned):
-        if name in names:
-            user = next(v for n, v in mine if n == name)
-            notes.append(f"{name} {' '.join(user)} (yours) replaces the plan's "
-                         f"{' '.join(values) or 'on'}")
-            continue
-        merged += [name, *values]
-    for name, values in mine:
-        merged += [name, *values]
-    return merged, notes
-
-
 @dataclass
 class Attempt:
     number: int
-    args: list[str]
+    args: list[str]  # as run, less secrets: results are printed (--format json) and kept
     outcome: str
     detail: str = ""
+
+    def __post_init__(self) -> None:
+        self.args = redact_args(self.args)
 
 
 @dataclass
@@ -92,38 +72,8 @@ class ServeResult:
     attempts: list[Attempt] = field(default_factory=list)
     plan: dict[str, Any] | None = None
     actual: dict[str, Any] | None = None
-
-
-def replan_pins(pins: Pins, plan: Plan, failure: vllmlog.Failure) -> tuple[Pins, str] | None:
-    """New pins from what a failed start-up measured; None when retrying cannot help."""
-    c = plan.chosen
-    if failure.kind == "KV_SHORTAGE":
-        if failure.estimated_max_model_len:
-            length = failure.estimated_max_model_len
-        elif failure.available_kv_gib:
-            length = int(failure.available_kv_gib * GiB // c.kv_bytes_per_token)
-        else:
-            length = c.max_model_len // 2
-        length = max(c.block_size, length // c.block_size * c.block_size)
-        return (dataclasses.replace(pins, max_model_len=length),
-                f"vLLM had KV cache for fewer tokens than max-model-len; retrying with "
-                f"--max-model-len {length:,} (what its measured KV memory holds)")
-    if failure.kind == "INSUFFICIENT_FREE_MEMORY" and failure.free_gib and failure.total_gib:
-        u = int((failure.free_gib / failure.total_gib - 0.01) * 100) / 100
-        return (dataclasses.replace(pins, gpu_memory_utilization=max(0.05, u)),
-                f"only {failure.free_gib:.2f} GiB was free; retrying with "
-                f"--gpu-memory-utilization {u:.2f}")
-    if failure.kind in ("DEVICE_OOM", "NO_KV_MEMORY"):
-        u = round(c.utilization - 0.05, 2)
-        if u <= 0.1 and not plan.hardware.is_cpu:
-            return None
-        tokens = max(512, c.max_num_batched_tokens // 2)
-        return (dataclasses.replace(pins, gpu_memory_utilization=u if not plan.hardware.is_cpu
-                                    else pins.gpu_memory_utilization,
-                                    max_num_batched_tokens=tokens),
-                f"out of memory at start-up; retrying with utilization {u:.2f} and "
-                f"--max-num-batched-tokens {tokens}")
-    return None
+    command: list[str] | None = None  # a dry run: the argv vlaunch would execute
+    env: dict[str, str] | None = None  # ... and the environment it adds
 
 
 def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra: list[str],
@@ -173,6 +123,7 @@ def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], di
     return lines, numbers
 
 
+DRY_RUN_PORT = 8000  # vLLM's default --port (entrypoints/launchers/cli_args.py, 0.32.0)
 PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
                   ("pp", ("--pipeline-parallel-size", "-pp")),
                   ("dp", ("--data-parallel-size", "-dp")))
@@ -238,9 +189,7 @@ def smoke_says_fp8(error: str | None, logged: str) -> bool:
         return True
     if not logged.strip():
         return False
-    from ..observe import doctor
-
-    root = doctor.classify(logged)
+    root = classify(logged)
     return root is not None and root.cause == "kv_cache_dtype_unsupported"
 
 
@@ -253,11 +202,7 @@ def explain_failure(runner: VllmRunner, outcome: Any, out: Callable[[str], None]
         for line in tail:
             out(f"  | {line[:400]}")
     with contextlib.suppress(Exception):  # a diagnosis is a bonus, never a second failure
-        from ..observe import doctor
-
-        report = doctor.scan_text(runner.log_text())
-        doctor.apply_log_fixes(report)
-        root = report.root
+        root = explain_log(runner.log_text())
         if root is not None:
             why = "; ".join(root.explain) or "see `vlaunch doctor` on the log"
             out(f"vlaunch: doctor: {root.cause} (phase {root.phase}): {why}")
@@ -350,6 +295,7 @@ class _ServeLoop:
     transient_retried: bool = False
     original: Pins | None = None  # as given: a context shortened for fp8 is re-planned from it
     api_port: int = 0
+    user_port: bool = False
     run_id: str = ""
 
     def say(self, text: str) -> None:
@@ -367,7 +313,11 @@ class _ServeLoop:
         # One API port for every attempt, so the exporter (up from the start, showing
         # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
         user_port = arg_value(self.extra, "--port")
-        self.api_port = int(user_port) if user_port else (self.port or free_port())
+        # A dry run shows vLLM's default port, not a random free one that the next run would
+        # not use either; a real run takes a free port unless one is given.
+        self.api_port = int(user_port) if user_port else (
+            self.port or (DRY_RUN_PORT if self.dry_run else free_port()))
+        self.user_port = bool(user_port or self.port)
         self.run_id = new_run_id()
         try:
             for number in range(1, self.max_attempts + 1):
@@ -395,7 +345,9 @@ class _ServeLoop:
         d = plan.to_dict()
         self.result.plan = d
         if number == 1:
-            self.say(plan_text(d))
+            # a dry run prints the one command it would run, labelled, instead of the plan's
+            text = plan_text(d)
+            self.say(text.split("\n  command:")[0] if self.dry_run and plan.fits else text)
         if not plan.fits:
             self.out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
             self.result.exit_code = 3
@@ -407,8 +359,14 @@ class _ServeLoop:
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.dry_run:
             runner = VllmRunner(args, env=env)
-            self.out(" ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(env).items())
-                     + " " + " ".join(shlex.quote(a) for a in redact_args(runner.argv)))
+            # what is shown and returned (--format json) never holds a key
+            self.result.command, self.result.env = redact_args(runner.argv), redact_env(env)
+            how = "--port" if self.user_port else "vLLM's default; a real run takes a free one"
+            for line in fit([f"  vlaunch would run (port {self.api_port}, {how}):"], width()):
+                self.out(line)
+            for line in command_lines(redact_args(runner.argv), width(), indent="    ",
+                                      env=redact_env(env)):
+                self.out(line)
             self.result.exit_code = 0
             return None
         runner = self._runner(number, args, env, d)
@@ -626,10 +584,15 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
     if warning := command_line_warning(runner.argv):
         out(f"vlaunch: {warning}")
     if dry_run:
+        cols = width()
         for pre in launch.pre_commands:
-            out(shlex.join(redact_args(pre)))
-        out(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(redact_env(launch.env).items()))
-            + " " + shlex.join(redact_args(runner.argv)))
+            out(f"  {launch.role} {launch.node_rank}, first:")
+            for line in command_lines(redact_args(pre), cols, indent="    "):
+                out(line)
+        out(f"  {launch.role} {launch.node_rank} would run:")
+        for line in command_lines(redact_args(runner.argv), cols, indent="    ",
+                                  env=dict(sorted(redact_env(launch.env).items()))):
+            out(line)
         return 0
     if launch.serves_api:
         _refuse_busy_port(runner)

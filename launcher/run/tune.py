@@ -289,7 +289,7 @@ class Tuner:
             "vllm_version": installed_vllm() or baseline.plan.get("vllm_version"),
             "started_at": utc_now(), "updated_at": utc_now(), "finished_at": None,
             "status": "running",
-            "model": baseline.plan["model"], "hardware": baseline.plan["gpus"],
+            "model": baseline.plan["model"], "gpus": baseline.plan["gpus"],
             "workload": {"input_len": o.workload.input_len, "output_len": o.workload.output_len,
                          "name": o.workload.name},
             "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms,

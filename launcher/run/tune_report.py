@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..inputs.workload import SLO
+from ..term import table as term_table
+from ..term import width as term_width
 
 Trial = dict[str, Any]
 
@@ -78,19 +80,20 @@ def _v(v: Any, fmt: str = "") -> str:
 
 
 def table(trials: list[Trial]) -> list[str]:
-    """One row per trial: flags, knee, output tok/s, TTFT/TPOT p50/p99, goodput, status."""
-    rows = [f"{'#':>2} {'rung':>4} {'configuration':44} {'knee':>5} {'tok/s':>8} "
-            f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'goodput':>8}  status"]
+    """One row per trial: knee, output tok/s, TTFT/TPOT p50/p99, goodput, status, and last the
+    configuration (with the cause of a failure), which wraps under itself so the numbers stay
+    aligned within the terminal's width (launcher.term)."""
+    rows = [["#", "rung", "knee", "tok/s", "TTFT p50/p99", "TPOT p50/p99", "goodput", "status",
+             "configuration"]]
     for i, r in enumerate(trials, 1):
         k = r.get("knee") or {}
-        status = r["status"] + (f" ({r['cause'][:80]})" if r.get("cause") else "")
-        rows.append(
-            f"{i:>2} {r['rung']:>4} {r['name'][:44]:44} {_v(k.get('concurrency')):>5} "
-            f"{_v(k.get('output_tokens_per_s'), '.1f'):>8} "
-            f"{ms(k.get('ttft_p50_ms')) + '/' + ms(k.get('ttft_p99_ms')):>16} "
-            f"{ms(k.get('tpot_p50_ms')) + '/' + ms(k.get('tpot_p99_ms')):>16} "
-            f"{_v(k.get('goodput_rps'), '.2f'):>8}  {status}")
-    return rows
+        rows.append([str(i), str(r["rung"]), _v(k.get("concurrency")),
+                     _v(k.get("output_tokens_per_s"), ".1f"),
+                     ms(k.get("ttft_p50_ms")) + "/" + ms(k.get("ttft_p99_ms")),
+                     ms(k.get("tpot_p50_ms")) + "/" + ms(k.get("tpot_p99_ms")),
+                     _v(k.get("goodput_rps"), ".2f"), r["status"],
+                     r["name"] + (f" ({r['cause'][:160]})" if r.get("cause") else "")])
+    return term_table(rows, term_width(), right=range(7), gap=" ")
 
 
 def plot(trials: list[Trial], plan_of: Callable[[Trial], dict[str, Any] | None], slo: SLO,

@@ -21,8 +21,18 @@ Public API:
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass, field
+
+from ..inputs.vllm_failures import (  # noqa: F401 - the kinds serve and tune compare against
+    DEVICE_OOM,
+    INSUFFICIENT_FREE_MEMORY,
+    KV_SHORTAGE,
+    NO_KV_MEMORY,
+    OTHER,
+    Failure,
+    classify,
+    to_failure,
+)
 
 GIB = 1 << 30
 
@@ -166,54 +176,16 @@ def parse_allocation(text: str) -> Allocation:
 
 # --- why a start-up failed -------------------------------------------------------------------
 
-# Failure kinds: stable strings that callers (launcher/serve.py) compare against.
-KV_SHORTAGE = "KV_SHORTAGE"
-NO_KV_MEMORY = "NO_KV_MEMORY"
-DEVICE_OOM = "DEVICE_OOM"
-INSUFFICIENT_FREE_MEMORY = "INSUFFICIENT_FREE_MEMORY"
-OTHER = "OTHER"
-
-# The messages behind each kind, with their vLLM sources and versions: launcher/doctor.py RULES.
-
-
-@dataclass
-class Failure:
-    """Why the engine did not come up, as far as its log tells."""
-
-    kind: str  # one of KV_SHORTAGE, NO_KV_MEMORY, DEVICE_OOM, INSUFFICIENT_FREE_MEMORY, OTHER
-    message: str  # the line that told us (trimmed), for humans
-    max_model_len: int | None = None
-    needed_kv_gib: float | None = None
-    available_kv_gib: float | None = None
-    estimated_max_model_len: int | None = None
-    free_gib: float | None = None
-    total_gib: float | None = None
-    requested_utilization: float | None = None
-    requested_gib: float | None = None
-    details: dict[str, str] = field(default_factory=dict)
-    # The doctor's cause (launcher/doctor.py RULES) and whether the same flags may be retried
-    # once (memory changed during profiling, an NCCL timeout); a deterministic failure never is.
-    cause: str | None = None
-    transient: bool = False
-
-    def to_dict(self) -> dict[str, object]:
-        return dict(self.__dict__)
-
-
 def classify_failure(text: str) -> Failure | None:
     """The reason a start-up failed (the root cause); None if the log shows no error.
 
-    Delegates to `launcher.observe.doctor`, whose table of vLLM's messages also finds the first real
-    error behind the "Engine core initialization failed. See root cause above" wrappers; the
-    kinds and numbers stay what serve's re-planning reads (KV_SHORTAGE, NO_KV_MEMORY,
+    The table of vLLM's messages (`launcher.inputs.vllm_failures.RULES`) also finds the first
+    real error behind the "Engine core initialization failed. See root cause above" wrappers;
+    the kinds and numbers are what serve's re-planning reads (KV_SHORTAGE, NO_KV_MEMORY,
     DEVICE_OOM, INSUFFICIENT_FREE_MEMORY, OTHER).
     """
-    from ..observe import doctor
-
-    root = doctor.classify(text)
-    if root is None:
-        return None
-    return doctor.to_failure(root, sys.modules[__name__])
+    root = classify(text)
+    return None if root is None else to_failure(root)
 
 
 # --- progress --------------------------------------------------------------------------------
@@ -300,7 +272,7 @@ def _opt(value: str | None, conv):
 
 def parse_cache_config_info(metrics_text: str) -> CacheConfigInfo | None:
     """Labels of the first `vllm:cache_config_info` sample, or None if the metric is absent."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families  # only when scraping
 
     for family in text_string_to_metric_families(metrics_text):
         if family.name != "vllm:cache_config_info":

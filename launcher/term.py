@@ -1,0 +1,166 @@
+"""Text that fits the terminal: the width to write to, and wrapping that keeps indents and tables.
+
+Every text-printing command (plan, capacity, doctor, gpus, tune, serve) asks this module for its
+width instead of assuming 80 or nothing: a 616-character reason or a 200-column table row is
+unreadable in a terminal and in a CI log alike. The rule is the one `ls` and `git` follow:
+`COLUMNS` when set (a user's override, and how tests pin it), else the tty's width, else 100 —
+piped output has no terminal to measure, and 100 is this repository's own line length.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TextIO
+
+PIPED_WIDTH = 100
+MIN_WIDTH = 40  # narrower than this a hanging indent leaves no room for words; wrap at 40 anyway
+
+_BULLET = re.compile(r"^(\s*)((?:[-*]|\d+[.)])\s+)?")
+
+
+def width(stream: TextIO | None = None) -> int:
+    """Columns to fit: `COLUMNS` if it is a positive integer, else the tty's, else 100.
+
+    `stream` is the file the text goes to (stdout by default); only when it is a terminal is its
+    size asked for, so `vlaunch plan ... | less` and a redirected file get the fixed 100."""
+    env = os.environ.get("COLUMNS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return max(MIN_WIDTH, int(env))
+    out = sys.stdout if stream is None else stream
+    try:
+        if out.isatty():
+            return max(MIN_WIDTH, os.get_terminal_size(out.fileno()).columns)
+    except (AttributeError, OSError, ValueError):  # a closed or fd-less stream: treat as piped
+        pass
+    return PIPED_WIDTH
+
+
+def wrap(text: str, cols: int, indent: str = "", hang: str | None = None) -> list[str]:
+    """`text` as lines of at most `cols` characters: the first starts with `indent`, the rest
+    with `hang` (default: as many spaces as `indent`), breaking only at spaces.
+
+    Unlike textwrap this never re-flows the given indent and cuts an over-long word rather than
+    letting it run past the edge, so every returned line is within `cols`."""
+    hang = " " * len(indent) if hang is None else hang
+    words = text.split()
+    lines: list[str] = []
+    line, prefix = indent, indent
+    for word in words:
+        sep = "" if line == prefix else " "
+        if len(line) + len(sep) + len(word) <= cols:
+            line += sep + word
+            continue
+        if line != prefix:
+            lines.append(line)
+            line = prefix = hang
+        while len(line) + len(word) > cols:  # too long for any line: cut it to fit
+            room = max(1, cols - len(line))
+            lines.append(line + word[:room])
+            word, line, prefix = word[room:], hang, hang
+        line += word
+    if line != prefix or not lines:
+        lines.append(line)
+    return lines
+
+
+def fit_line(line: str, cols: int) -> list[str]:
+    """One line of prose wrapped with a hanging indent under its own text.
+
+    The hang is the line's leading spaces plus its bullet ("- ", "* ", "3. ") or, for a
+    "label: text" line, the label's width, so continuation lines start under the first word
+    they continue."""
+    if len(line) <= cols:
+        return [line]
+    m = _BULLET.match(line)  # always matches, possibly empty
+    lead, bullet = m.group(0), m.group(2)
+    body = line[len(lead):]
+    label = re.match(r"^[\w .()/-]{1,24}: ", body)
+    hang = " " * (len(lead) + (len(label.group(0)) if label and not bullet else 0))
+    if len(hang) > cols // 2:  # a deep indent would leave a ribbon of one word per line
+        hang = " " * min(len(lead), cols // 4)
+    return wrap(body, cols, indent=lead, hang=hang)
+
+
+def fit(lines: Iterable[str], cols: int) -> list[str]:
+    """Every line of a text block fitted to `cols` (see fit_line); short lines are untouched."""
+    out: list[str] = []
+    for line in lines:
+        for part in line.split("\n"):
+            out += fit_line(part, cols)
+    return out
+
+
+def table(rows: Sequence[Sequence[str]], cols: int, *, indent: str = "",
+          right: Iterable[int] = (), gap: str = "  ") -> list[str]:
+    """Rows (the first is the header) as aligned columns within `cols` characters.
+
+    Every column but the last is as wide as its widest cell; the last takes what is left and
+    wraps inside its own column, so continuation lines start exactly under it and the columns
+    to its left stay aligned however long a note is. Columns listed in `right` are
+    right-aligned (numbers)."""
+    if not rows:
+        return []
+    right = set(right)
+    n = max(len(r) for r in rows)
+    cells = [[str(c) for c in r] + [""] * (n - len(r)) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(n)]
+    out: list[str] = []
+    for r in cells:
+        head = indent + gap.join(
+            (r[i].rjust(widths[i]) if i in right else r[i].ljust(widths[i]))
+            for i in range(n - 1))
+        if n == 1:
+            out.append((indent + r[0]).rstrip())
+            continue
+        start = head + gap
+        last = r[-1].rjust(widths[-1]) if (n - 1) in right else r[-1]
+        if len(start) + len(last) <= cols or len(start) > cols - 12:
+            out.append((start + last).rstrip())
+        else:
+            out += [x.rstrip() for x in wrap(last, cols, indent=start, hang=" " * len(start))]
+    return out
+
+
+def command(argv: Sequence[str], cols: int, indent: str = "    ",
+            env: dict[str, str] | None = None) -> list[str]:
+    """A shell command as lines that paste back as one command: each line within `cols` where
+    a single argument allows, continued with a trailing backslash, an option kept on the line
+    of its value."""
+    env_words = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
+    return _pack(env_words + [shlex.quote(a) for a in argv], cols, indent)
+
+
+def shell_lines(text: str, cols: int, indent: str = "    ") -> list[str]:
+    """An already-quoted shell command line (`"$VAR"` kept as written) as `command` lines."""
+    try:
+        words = shlex.split(text, posix=False)
+    except ValueError:  # unbalanced quotes: show it as it is
+        return [indent + text]
+    return _pack(words, cols, indent)
+
+
+def _pack(quoted: list[str], cols: int, indent: str) -> list[str]:
+    words: list[str] = []
+    i = 0
+    while i < len(quoted):  # "--flag value" stays together on one line
+        a = quoted[i]
+        if a.startswith("-") and i + 1 < len(quoted) and not quoted[i + 1].startswith("-"):
+            a += " " + quoted[i + 1]
+            i += 1
+        words.append(a)
+        i += 1
+    lines: list[str] = []
+    line = indent
+    for w in words:
+        sep = "" if line.strip() == "" else " "
+        if line.strip() and len(line) + len(sep) + len(w) + 2 > cols:
+            lines.append(line + " \\")
+            line = indent + "  " + w
+        else:
+            line += sep + w
+    lines.append(line)
+    return lines

@@ -134,6 +134,10 @@ def test_serve_and_exec_dry_runs_never_print_a_secret(tmp_path, monkeypatch, for
         assert os.environ["HF_TOKEN"] not in r.output
         assert REDACTED in r.output, name
         assert "visible to every local user" in r.output, name  # and steered to the env
+        i = argv.index("--")
+        r = CliRunner().invoke(cli, [*argv[:i], "--format", "json", *argv[i:]])
+        assert r.exit_code == 0 and key not in r.output and key2 not in r.output, name
+        assert REDACTED in " ".join(json.loads(r.stdout)["command"]), name
 
 
 def test_multinode_exec_dry_run_never_prints_a_secret(tmp_path, monkeypatch):
@@ -322,10 +326,15 @@ def test_a_config_with_a_non_finite_number_is_one_line_exit_2(tmp_path):
 
 
 def _dry(argv: list[str], env: dict[str, str] | None = None) -> tuple[list[str], str]:
+    """The argv a dry run would execute (its JSON result) and everything it said."""
+    if "--" in argv:
+        i = argv.index("--")
+        argv = [*argv[:i], "--format", "json", *argv[i:]]
+    else:
+        argv = [*argv, "--format", "json"]
     r = CliRunner().invoke(cli, argv, env=env)
     assert r.exit_code == 0, r.output
-    command = [line for line in r.output.splitlines() if " --model " in line][-1]
-    return command.split(), r.output
+    return json.loads(r.stdout)["command"], r.output
 
 
 def _host_of(words: list[str]) -> str | None:
@@ -500,3 +509,13 @@ def test_rotation_does_not_follow_a_link_planted_after_the_rename(tmp_path, monk
     out._write(b"more output\n")  # rotates: the new file must not be the victim
     assert victim.read_text() == "precious\n"
     assert out.write_errors >= 1
+
+
+def test_a_serve_results_attempts_keep_no_key():
+    """`serve --format json` prints every attempt's arguments: they are kept redacted."""
+    from launcher.run.serve import Attempt
+
+    key = secrets.token_hex(12)
+    a = Attempt(1, ["--model", "m", "--api-key", key, "--port", "1"], "serving")
+    assert key not in json.dumps(a.args) and a.args[3] == REDACTED
+    assert a.args[:2] == ["--model", "m"]

@@ -81,6 +81,19 @@ def build_one_launch(path: Path, lines: int = LINES) -> int:
     return len(launch) + len(rest)
 
 
+def build_error_storm(path: Path, lines: int = LINES) -> int:
+    """The worst case: one launch, then the fixtures' start-ups, tracebacks and errors over and
+    over without another launch line, so every line is scanned and most take the slow path."""
+    body = [x for p in sorted(FAILURE.parent.glob("*.log")) for x in p.read_text().splitlines()
+            if "non-default args: " not in x]
+    out = ["(APIServer pid=1) INFO 11-30 10:00:02 [api_utils.py:286] non-default args: "
+           "{'model': 'org/model'}"]
+    while len(out) < lines:
+        out += body
+    path.write_text("\n".join(out[:lines]) + "\n")
+    return lines
+
+
 def _cli_median(log: Path, runs: int = 5) -> float:
     times = []
     for _ in range(runs):
@@ -124,6 +137,14 @@ def main() -> None:
         print(f"`vlaunch doctor` on a {n:,}-line crash-loop log ({report.launches:,} launches, "
               f"{loop.stat().st_size / 1e6:.1f} MB): library {lib * 1000:.0f} ms; command line "
               f"median {_cli_median(loop) * 1000:.0f} ms (goal < 500)")
+        storm = Path(tmp) / "error-storm.log"
+        n = build_error_storm(storm)
+        t = time.perf_counter()
+        doctor.diagnose(str(storm))
+        lib = time.perf_counter() - t
+        print(f"`vlaunch doctor` on a {n:,}-line error storm (one launch, every line a start-up "
+              f"or error line, the worst case): library {lib * 1000:.0f} ms; command line "
+              f"median {_cli_median(storm) * 1000:.0f} ms (goal < 500)")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ will not fit is replaced by one that does, or dropped with the planner's reason.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import re
 import shlex
 import socket
@@ -514,12 +516,29 @@ def context_from_log(report: Report) -> PlanContext | None:
     else:
         return None
     try:
-        spec = load_model(model)
+        with _offline():
+            spec = load_model(model)
         hw = parse_gpus(gpus)
         pins = Pins()
         return PlanContext(spec, hw, pins, None, gpus, source="log")
     except InputError:
         return None
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """The model as this machine has it (a folder, a profile, the HF cache) and never the Hub:
+    reading a log must not reach the network (huggingface_hub's own HF_HUB_OFFLINE switch,
+    which launcher.inputs.hub honours, set for the look-up and restored)."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
 
 
 # The failed launch's vLLM arguments ("non-default args") that are planner pins.

@@ -709,7 +709,7 @@ def test_reading_a_log_never_reaches_the_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(hub, "fetch", no_network)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     log = _write_log(tmp_path, {"model": "nobody/nothing-here", "max_model_len": 4096},
-                     "ValueError: Free memory on device cuda:0 (3.00/79.19 GiB) on startup is "
+                     "ValueError: Free memory on device cuda:0 (30.00/79.19 GiB) on startup is "
                      "less than desired GPU memory utilization (0.9, 71.27 GiB). Decrease GPU "
                      "memory utilization or reduce GPU memory used by other processes.")
     d = doctor.diagnose(str(log))[0].root

@@ -175,9 +175,12 @@ def serving_options() -> list:
 _WORKLOAD_KEYS = ("input_len", "output_len", "workload", "objective", "slo", "concurrency")
 
 
-def workload_options(f):
+def workload_options(f=None, *, concurrency: bool = True):
     """What the deployment is for: lengths, SLO, objective. Without them the plan says it
-    assumed the chat preset and the default SLO."""
+    assumed the chat preset and the default SLO. `concurrency`: offer --concurrency (a plan's
+    extra operating point; capacity sizes by its own load instead)."""
+    if f is None:
+        return lambda g: workload_options(g, concurrency=concurrency)
     opts = [
         click.option("--input-len", type=int, help="Mean prompt tokens per request."),
         click.option("--output-len", type=int, help="Mean answer tokens per request."),
@@ -197,6 +200,8 @@ def workload_options(f):
                      help="Also predict the chosen layout at N requests in flight "
                           "(vllm bench serve --max-concurrency N)."),
     ]
+    if not concurrency:
+        opts = opts[:-1]
     for opt in reversed(opts):
         f = opt(f)
     return f
@@ -286,27 +291,63 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
 
     Exit 0 when it fits, 3 when it does not, 2 for bad input.
     """
+    if output:
+        _check_folder(output, "-o")
     plan = build_plan(model, gpus, revision, **pins)
     d = plan.to_dict()
-    if plot_path and d["fits"]:
-        from .plot import plan_plot
+    if plot_path:
+        if d["fits"]:
+            from .plot import plan_plot
 
-        plan_plot(d, plot_path)
-    text = format_plan(d, fmt)
-    if output:
-        _warn_format_named(output)
-        _write_atomic(output, text)
-    else:
-        click.echo(text)
-    if emit_dir:
+            plan_plot(d, plot_path)
+        else:
+            click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
+                       "fit (no performance to plot)", err=True)
+    if emit_dir:  # before printing: a folder that cannot be written is one line, not a plan
         from .run.emit import emit_plan, write_termination_message
 
         if not d["fits"]:
             write_termination_message(format_plan(d, "text"), termination_log)
         else:
             emit_plan(d, emit_dir)
+    text = format_plan(d, fmt)
+    if output:
+        _warn_format_named(output)
+        _write_atomic(output, text)
+    else:
+        click.echo(_fit(text) if fmt == "text" else text)
     if not d["fits"]:
         sys.exit(3)
+
+
+def _check_folder(path: str, flag: str) -> None:
+    """The folder a file goes to must exist: say so naming the user's path, not the temp file
+    the atomic write would have made there."""
+    from pathlib import Path
+
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise InputError(f"{flag} {path}: folder {folder} does not exist; create it or write "
+                         "elsewhere")
+
+
+def _fit(text: str) -> str:
+    """Plan and capacity text fitted to the terminal (launcher/term.py): long reasons wrap
+    with a hanging indent, the vllm command continues with backslashes."""
+    import shlex
+
+    from . import term
+
+    cols = term.width()
+    out: list[str] = []
+    for line in text.split("\n"):
+        stripped = line.lstrip()
+        if " vllm serve " in line or stripped.startswith("vllm serve "):
+            lead = line[:len(line) - len(stripped)]
+            out += term.command(shlex.split(stripped), cols, indent=lead)
+        else:
+            out += term.fit([line], cols)
+    return "\n".join(out)
 
 
 @cli.command("capacity")
@@ -314,7 +355,7 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
 @revision_option
 @click.option("--users", type=int, help="Concurrent users, each with one request in flight.")
 @click.option("--rps", type=float, help="Requests per second arriving (open loop).")
-@workload_options
+@workload_options(concurrency=False)
 @click.option("--gpus", "gpu_options", multiple=True,
               help="GPU options to compare, e.g. 8xH200 2x8xH100 (repeat or comma-separate). "
                    "Default: every data-centre GPU in the catalog that can hold the model.")
@@ -327,15 +368,22 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
               help="Extra replicas for failures and rollouts.")
 @click.option("--max-model-len", type=int, help="Context each replica serves (default: full).")
 @click.option("--vllm-version", help="Plan for this vLLM version (default: installed).")
+@click.option("--mtp/--no-mtp", "speculative", default=None,
+              help="Pin MTP speculative decoding on or off for every option (default: each "
+                   "option's plan decides, as `vlaunch plan` does).")
 @format_option("text: a table for people; json: for scripts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
 def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float | None,
                  gpu_options: tuple[str, ...],
                  prices: tuple[str, ...], headroom: float, spare: int,
-                 max_model_len: int | None, vllm_version: str | None, fmt: str,
-                 plot_path: str | None, **kw) -> None:
-    """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s)."""
+                 max_model_len: int | None, vllm_version: str | None,
+                 speculative: bool | None, fmt: str, plot_path: str | None, **kw) -> None:
+    """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s).
+
+    Each option's replica is the plan `vlaunch plan` makes for it. Exit 0 with a
+    recommendation, 3 when no option meets the SLO (naming the closest miss), 2 for bad input.
+    """
     import json
 
     from .inputs.model import load_model
@@ -349,12 +397,21 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     spec = load_model(model, revision)
     d = capacity.plan_capacity(spec, load, goals["workload"], goals["slo"], options or None,
                                price_map, headroom, spare,
-                               _pins(max_model_len=max_model_len, vllm_version=vllm_version))
+                               _pins(max_model_len=max_model_len, vllm_version=vllm_version,
+                                     speculative=speculative),
+                               objective=goals["objective"])
     if plot_path:
         from .plot import capacity_plot
 
         capacity_plot(d, plot_path)
-    click.echo(json.dumps(d, indent=2) if fmt == "json" else capacity.render(d))
+    if fmt == "json":
+        click.echo(json.dumps(d, indent=2))
+    else:
+        from . import term
+
+        click.echo(capacity.render(d, term.width()))
+    if d["recommended"] is None:
+        raise NotFitError(capacity.miss_message(d))
 
 
 @cli.command("profiles")
@@ -570,6 +627,11 @@ def goals_from_plan(d: dict) -> dict | None:
 @click.option("--rungs", type=click.IntRange(1, 5), help="Successive-halving rungs (default: "
               "a third of the starts go to promotions).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Benchmark prompt seed.")
+@click.option("--dataset", "dataset", type=click.Path(),
+              help="Your prompts, to measure MTP acceptance on: JSON Lines, one "
+                   "{\"prompt\": \"...\"} per line (vLLM's custom dataset format; other "
+                   "fields ignored). Default: vlaunch's own natural prompts. The knee is "
+                   "measured on random prompts either way.")
 @click.option("--startup-timeout", type=float, help="Seconds before a start-up is a hang.")
 @click.option("--plot", is_flag=True, help="Also draw tune.png (needs matplotlib).")
 @format_option("json: tune.json on stdout (progress stays on stderr).")
@@ -577,8 +639,8 @@ def goals_from_plan(d: dict) -> dict | None:
 def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
              max_starts: int, output_dir: str,
              resume: bool, candidates: tuple[str, ...], max_concurrency: int | None,
-             rungs: int | None, seed: int, startup_timeout: float | None, plot: bool, fmt: str,
-             verbose: bool, **kw) -> None:
+             rungs: int | None, seed: int, dataset: str | None, startup_timeout: float | None,
+             plot: bool, fmt: str, verbose: bool, **kw) -> None:
     """Measure candidate configurations of MODEL on the real engine under an SLO.
 
     Starts vLLM on the planner's best candidates and on vLLM's defaults, finds each one's SLO
@@ -590,6 +652,7 @@ def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
     from pathlib import Path
 
     from .inputs.model import load_model
+    from .inputs.prompts import load_prompts
     from .run import tune
 
     budget_s = tune.parse_budget(budget)
@@ -598,6 +661,7 @@ def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
     if max_concurrency is not None and max_concurrency < 1:
         raise InputError(f"--max-concurrency must be at least 1, got {max_concurrency}")
     user = [tune.parse_candidate(c) for c in candidates]
+    prompts = load_prompts(dataset) if dataset is not None else None
     goals = split_goals(kw)
     spec = load_model(model, revision)
     hw = _hardware(gpus)
@@ -607,7 +671,8 @@ def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
                             objective=goals["objective"] or "balanced", budget_s=budget_s,
                             max_starts=max_starts, output=Path(out), resume=resume, seed=seed,
                             max_concurrency=max_concurrency, rungs=rungs, user_candidates=user,
-                            startup_timeout=startup_timeout, plot=plot, verbose=verbose)
+                            startup_timeout=startup_timeout, plot=plot, verbose=verbose,
+                            prompts=prompts)
     say = (lambda s: None) if fmt == "json" else click.echo  # noqa: E731
     status, doc = tune.tune(spec, hw, pins, opts, out=say,
                             log=lambda s: click.echo(s, err=True))

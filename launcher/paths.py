@@ -35,18 +35,45 @@ def cache_dir() -> Path:
 def _read_yaml(path: str, mtime_ns: int) -> Any:
     import yaml
 
-    from .profile_check import check, schema_for
-
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~10x faster
     data = yaml.load(Path(path).read_text(), Loader=loader)  # noqa: S506 (a safe loader)
-    try:
-        relative = Path(path).resolve().relative_to(profiles_dir().resolve())
-    except ValueError:  # not a profile
-        return data
-    schema = schema_for(relative)
-    if schema is not None:
-        check(Path(path), data, schema)
+    _check_profile(Path(path), data)
     return data
+
+
+_CHECKED_FILE = "profiles-checked.json"
+_checked: dict[str, Any] | None = None
+
+
+def _check_profile(path: Path, data: Any) -> None:
+    """Hold a profile to its schema (launcher/profile_check), once per version of the file:
+    a stamp (mtime, size, the schema's mtime) of each file that passed is kept in the cache,
+    so a plan does not import jsonschema (~0.1 s) to re-check the same shipped files."""
+    from .profile_check import SCHEMAS, check, schema_for
+
+    global _checked
+    try:
+        relative = path.resolve().relative_to(profiles_dir().resolve())
+    except ValueError:  # not a profile
+        return
+    schema = schema_for(relative)
+    if schema is None:
+        return
+    try:
+        st, schema_st = path.stat(), (SCHEMAS / f"{schema}.json").stat()
+        stamp = f"{st.st_mtime_ns}:{st.st_size}:{schema_st.st_mtime_ns}"
+    except OSError:
+        stamp = None
+    store, key = cache_dir() / _CHECKED_FILE, str(path.resolve())
+    if _checked is None:
+        _checked = read_json_object(store)
+    if stamp is not None and _checked.get(key) == stamp:
+        return
+    check(path, data, schema)
+    if stamp is not None:
+        _checked[key] = stamp
+        with contextlib.suppress(OSError):  # a read-only cache costs a re-check, nothing more
+            update_json_object(store, lambda d: d.__setitem__(key, stamp))
 
 
 def read_yaml(path: Path) -> Any:

@@ -12,6 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .render import alt_label
+
+PLOT_MODE = 0o644
+"""The mode of emitted files (paths.atomic_write), less the user's umask."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _pyplot():
@@ -35,6 +45,7 @@ def _save(fig: Any, path: str) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.chmod(tmp, PLOT_MODE & ~_umask())  # mkstemp's 0600 would hide it from the group
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -65,6 +76,8 @@ def _frame(ax: Any, slo: dict[str, float], title: str) -> None:
 def plan_plot(d: dict[str, Any], path: str) -> Path:
     """The chosen layout's curve (bold, knee starred) and each runner-up's."""
     perf = d.get("performance")
+    if not d.get("fits"):
+        raise InputError("nothing to plot: the plan does not fit")
     if not perf:
         raise InputError("no performance prediction to plot (the GPU has no speed facts)")
     plt = _pyplot()
@@ -72,12 +85,14 @@ def plan_plot(d: dict[str, Any], path: str) -> Path:
     p = d["parallel"]
     label = f"TP{p['tp']}" + (f"xPP{p['pp']}" if p["pp"] > 1 else "") + (
         f"xDP{p['dp']}" if p["dp"] > 1 else "") + ("+EP" if p["expert_parallel"] else "")
-    _draw(ax, perf["curve"], f"{label} (chosen)", perf.get("knee"), linewidth=2.5)
+    mtp = ((d.get("serving") or {}).get("speculative") or {})
+    k = mtp.get("num_speculative_tokens") if mtp.get("enabled") else 0
+    _draw(ax, perf["curve"], f"{label} kv {d['kv_cache']['dtype']}, "
+          + (f"MTP {k}" if k else "no MTP") + " (chosen)", perf.get("knee"), linewidth=2.5)
     for alt in d.get("alternatives") or []:
         ap = alt.get("performance") if isinstance(alt, dict) else None
         if ap:
-            _draw(ax, ap["curve"], f"{alt['label']} kv {alt['kv_cache']['dtype']}",
-                  ap.get("knee"), linewidth=1, alpha=0.7)
+            _draw(ax, ap["curve"], alt_label(alt), ap.get("knee"), linewidth=1, alpha=0.7)
     _frame(ax, perf["slo"], f"{d['model']['name']} on {d['gpus']['count']}x{d['gpus']['name']}: "
            f"{perf['input_len']:,} in / {perf['output_len']:,} out ({perf['source']})")
     out = _save(fig, path)
@@ -100,7 +115,7 @@ def capacity_plot(d: dict[str, Any], path: str) -> Path:
     if not drawn:
         plt.close(fig)
         raise InputError("no option has a performance curve to plot")
-    _frame(ax, d["slo"], f"{d['model']}: one replica per option")
+    _frame(ax, d["slo"], f"{d['model']['name']}: one replica per option")
     out = _save(fig, path)
     plt.close(fig)
     return out

@@ -108,7 +108,7 @@ def _node_commands(d: dict[str, Any]) -> list[str]:
 def curve_table(perf: dict[str, Any], indent: str = "    ") -> list[str]:
     """The throughput-latency curve as a small table; the knee and the asked point marked."""
     knee = (perf.get("knee") or {}).get("concurrency")
-    at = (perf.get("at") or {}).get("concurrency")
+    at = perf.get("asked_concurrency")
     slo = perf["slo"]
     out = [f"{indent}{'in flight':>10} {'TPOT ms':>9} {'TTFT ms':>10} {'output tok/s':>13}"]
     for p in perf["curve"]:
@@ -140,11 +140,18 @@ def performance_lines(d: dict[str, Any]) -> list[str]:
                      f"{k['requests_per_s']:.2f} req/s, TPOT {k['tpot_ms']:.1f} ms, "
                      f"TTFT {k['ttft_ms']:,.0f} ms (bound by {perf['binding']})")
     else:
+        one = perf["single_request"]
         lines.append(f"    the SLO is out of reach even for one request (TPOT "
-                     f"{perf['single_request']['tpot_ms']:.1f} ms)")
+                     f"{one['tpot_ms']:.1f} ms, TTFT {one['ttft_ms']:,.0f} ms)")
     lines += curve_table(perf)
     alts = [a for a in d.get("alternatives") or [] if isinstance(a, dict) and a.get("fits")]
     if alts:
         lines.append("    runner-ups:")
-        lines += [f"      {a['label']} (kv {a['kv_cache']['dtype']}): {a['why_not']}" for a in alts]
+        lines += [f"      {alt_label(a)}: {a['why_not']}" for a in alts]
     return lines
+
+
+def alt_label(a: dict[str, Any]) -> str:
+    """A runner-up as the plan shows it: layout, KV dtype and MTP (its best version)."""
+    k = a.get("num_speculative_tokens") or 0
+    return f"{a['label']} (kv {a['kv_cache']['dtype']}, " + (f"MTP {k})" if k else "no MTP)")

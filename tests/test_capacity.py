@@ -31,7 +31,7 @@ def run(users=None, rps=None, slo=None, gpus=("8xH100",), prices=None, headroom=
 def test_replicas_follow_the_stated_arithmetic():
     d = run(users=500, prices={"H100": 2.0}, spare=1)
     o = d["options"][0]
-    per = o["per_replica"]["max_concurrency"]
+    per = o["per_replica"]["knee_concurrency"]
     assert o["replicas"] == math.ceil(500 * 1.2 / per) + 1
     assert o["gpus_total"] == o["replicas"] * 8
     assert o["monthly_usd"] == pytest.approx(o["gpus_total"] * 2.0 * 730, abs=1)
@@ -44,10 +44,12 @@ def test_rps_uses_the_open_loop_rate_under_the_knee():
     d = run(rps=20.0, prices={"H100": 2.0}, headroom=0.0)
     o = d["options"][0]
     pr = o["per_replica"]
-    k = pr["max_concurrency"]
+    k = pr["knee_concurrency"]
     c = ((math.sqrt(4 * k + 1) - 1) / 2) ** 2
     assert c + math.sqrt(c) == pytest.approx(k)
-    assert pr["open_loop_requests_per_s"] < pr["requests_per_s"]
+    # never more than the closed loop's (equal when the knee sits in the queue max-num-seqs
+    # makes: the engine already runs flat out there)
+    assert pr["open_loop_requests_per_s"] <= pr["requests_per_s"]
     assert o["replicas"] == math.ceil(20.0 / pr["open_loop_requests_per_s"])
     # $ per million output tokens: the hourly bill over the tokens the load asks for.
     hourly = o["gpus_total"] * 2.0
@@ -113,7 +115,7 @@ def test_json_contract():
     keys = {"gpus", "parallel", "replicas", "gpus_total", "per_replica", "binding",
             "monthly_usd", "usd_per_million_output_tokens", "source"}
     assert all(set(o) >= keys for o in d["options"])
-    assert set(d["options"][0]["per_replica"]) >= {"max_concurrency", "requests_per_s",
+    assert set(d["options"][0]["per_replica"]) >= {"knee_concurrency", "requests_per_s",
                                                    "output_tokens_per_s"}
     assert d["recommended"] in d["options"]
 

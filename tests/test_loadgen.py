@@ -81,6 +81,29 @@ def test_argv_carries_the_workload_slo_and_seed():
     assert argv[argv.index("--goodput") + 1:][:2] == ["ttft:1500", "tpot:60"]
 
 
+def test_natural_prompts_use_vllms_custom_dataset_with_our_output_cap():
+    spec = LoadSpec(**{**SPEC.__dict__, "input_len": 0, "prompts_path": "/tmp/p.jsonl"})
+    argv = benchmark_argv(spec)
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert value("--dataset-name") == "custom" and value("--dataset-path") == "/tmp/p.jsonl"
+    # vLLM's default --custom-output-len (256) would replace the per-request length otherwise
+    assert value("--custom-output-len") == "32"
+    assert "random" not in argv and not any(a.startswith("--random") for a in argv)
+    assert "--ignore-eos" not in argv  # answers end where the model ends them
+    assert (value("--max-concurrency"), value("--num-prompts")) == ("8", "24")
+    spec.validate()  # input_len is the prompts' own
+    with pytest.raises(ValueError, match="jsonl"):
+        LoadSpec(**{**spec.__dict__, "prompts_path": "/tmp/p.txt"}).validate()
+    with pytest.raises(ValueError, match="input_len"):
+        LoadSpec(**{**SPEC.__dict__, "input_len": 0}).validate()
+    s = summarize({"completed": 4, "total_input_tokens": 90, "duration": 1.0}, spec)
+    assert s["dataset"] == "custom" and s["input_len"] == 22.5
+    assert summarize({"completed": 4}, SPEC)["input_len"] == 64
+
+
 def test_summary_reports_goodput_share_and_drops_bulky_lists():
     raw = {"completed": 20, "failed": 0, "duration": 4.0, "request_throughput": 5.0,
            "request_goodput": 4.5, "output_throughput": 160.0, "mean_ttft_ms": 100.0,
@@ -152,9 +175,17 @@ def test_vllm_parser_accepts_our_argv():
             "p = argparse.ArgumentParser(); serve.add_cli_args(p)\n"
             "a = p.parse_args(json.loads(sys.argv[1]))\n"
             "print(json.dumps([a.max_concurrency, a.random_input_len, a.goodput, a.seed,"
-            " a.num_warmups, a.save_detailed]))")
+            " a.num_warmups, a.save_detailed, a.dataset_name, a.dataset_path,"
+            " a.custom_output_len, a.ignore_eos]))")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(benchmark_argv(SPEC))],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [8, 64, ["ttft:1500", "tpot:60"],
-                                                             3, 4, True]
+                                                             3, 4, True, "random", None, 256,
+                                                             False]
+    custom = LoadSpec(**{**SPEC.__dict__, "prompts_path": "/tmp/p.jsonl"})
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(benchmark_argv(custom))],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])[6:] == ["custom", "/tmp/p.jsonl", 32,
+                                                                 False]

@@ -263,3 +263,20 @@ def test_plans_carry_the_held_out_range_around_their_figures():
     assert r["low"] == pytest.approx(knee["output_tokens_per_s"] / (1 + hi), rel=1e-3)
     assert "likely" in make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
                                  V).performance.figure("balanced")
+
+
+def test_the_performance_models_import_no_planner_search_or_serving_decision():
+    # models -> search -> plan, one way: ops/step/perf/mtp/perfplan never reach back.
+    import ast
+    from pathlib import Path
+
+    root = Path(perf.__file__).parent
+    banned = {"planner", "serving", "speculative", "capacity", "planshape"}
+    for name in ("ops", "step", "perf", "mtp", "perfplan"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mods = {(node.module or "").split(".")[-1]} | {a.name for a in node.names}
+                assert not mods & banned, (name, ast.dump(node))
+            elif isinstance(node, ast.Import):
+                assert not {a.name.split(".")[-1] for a in node.names} & banned, name

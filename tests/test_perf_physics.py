@@ -341,3 +341,36 @@ def test_calibrate_then_plan_round_trips_at_tp8():
 
 def test_calibrate_then_plan_round_trips_at_dp_plus_ep():
     _round_trip(shape("qwen3-30b-a3b", "8xH100", 2, 4, True))
+
+
+@pytest.mark.parametrize("model,gpus,pins", [
+    ("deepseek-r1", "8xH200", dict(tp=8, speculative=False)),
+    ("qwen3-30b-a3b", "8xH100", dict(tp=2, dp=4, expert_parallel=True)),
+])
+def test_calibrate_then_plan_through_the_cache(tmp_path, monkeypatch, model, gpus, pins):
+    """`vlaunch tune`'s path: points measured on an engine whose fixed costs are doubled are
+    recorded; the next plan for that engine says `measured` and predicts them within 5%."""
+    from launcher.predict import calibration
+    from launcher.predict.planner import make_plan
+    from launcher.predict.planshape import shape_from_plan
+
+    monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
+    p = Pins(vllm_version=VERSION, pp=1, kv_cache_dtype="auto", **pins)
+    d = make_plan(spec(model), parse_gpus(gpus), p).to_dict()
+    base = shape_from_plan(d)
+    truth = dataclasses.replace(base, constants=perf.scaled(
+        perf.DEFAULT, perf.Calibration(2.0, 1.0, 0, 0)))
+    w = Workload(2048, 256, synchronized=True)
+    pts = [{"concurrency": c, "input_len": 2048, "output_len": 256,
+            "output_tokens_per_s": perf.point(truth, w, c).output_tokens_per_s,
+            "tpot_ms": perf.point(truth, w, c).tpot_ms, "ttft_ms": perf.point(truth, w, c).ttft_ms}
+           for c in (1, 8, 32, 128)]
+    calibration.record(d, pts, "test", base)
+    again = make_plan(spec(model), parse_gpus(gpus), p)
+    assert again.to_dict()["performance"]["source"] == "measured"
+    # the measured engine's own limits, with the constants the plan now predicts with
+    engine = dataclasses.replace(base, constants=again.performance.shape.constants)
+    for m in pts:
+        got = perf.point(engine, w, m["concurrency"])
+        assert got.output_tokens_per_s == pytest.approx(m["output_tokens_per_s"], rel=0.05)
+        assert got.tpot_ms == pytest.approx(m["tpot_ms"], rel=0.05)

@@ -83,15 +83,17 @@ def test_a_broken_profile_is_one_line_at_load(tmp_path: Path):
     """`vlaunch plan` with a catalog that says `hbm_gbs`: exit 2, one line naming the key."""
     folder = tmp_path / "profiles"
     shutil.copytree(profiles_dir(), folder)
+    env = {"VLAUNCH_PROFILES_DIR": str(folder), "VLAUNCH_CACHE_DIR": str(tmp_path / "cache"),
+           "PATH": "/usr/bin:/bin"}
+    argv = [sys.executable, "-m", "launcher.cli", "plan", "llama-3.1-8b", "--gpus", "1xH200"]
+    r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr  # checked, and remembered as checked
     gpus = folder / "gpus.yaml"
     text = gpus.read_text()
     assert "    hbm_gbps: 4800\n" in text
     gpus.write_text(text.replace("    hbm_gbps: 4800\n", "    hbm_gbs: 4800\n", 1))
-    env = {"VLAUNCH_PROFILES_DIR": str(folder), "VLAUNCH_CACHE_DIR": str(tmp_path / "cache"),
-           "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "llama-3.1-8b", "--gpus",
-                        "1xH200"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2, r.stdout + r.stderr
+    r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr  # the edit is checked again
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "hbm_gbs" in lines[0] and "gpus.yaml" in lines[0], r.stderr
     assert "Traceback" not in r.stderr

@@ -26,12 +26,14 @@ from launcher.cli import cli
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
+from launcher.inputs.prompts import builtin_prompts, load_prompts
 from launcher.inputs.workload import SLO, Workload
+from launcher.predict import speculative as SP
 from launcher.predict.planner import Pins
 from launcher.run import tune as T
 from launcher.run import tune_search as S
 from launcher.run.emit import load_plan
-from launcher.run.loadgen import LoadSpec, summarize
+from launcher.run.loadgen import LoadSpec, benchmark_argv, summarize
 from launcher.run.runner import VllmRunner
 from launcher.run.tinymodel import config_dict
 from launcher.run.vllmargs import arg_value
@@ -91,6 +93,13 @@ FAKE_VLLM = textwrap.dedent(
 )
 
 
+RANDOM_RATES = (92.0, 85.0)
+NATURAL_RATES = (70.0, 42.0)
+"""Per-position acceptance (%) the stand-in reports on random-token and on natural prompts."""
+
+MTP = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+
+
 def synthetic_raw(args: list[str], spec: LoadSpec) -> dict[str, Any]:
     """vLLM's result dict for a server started with `args`, from a queueing model: up to
     max_num_seqs requests decode together (TPOT grows with the batch); the rest wait."""
@@ -105,7 +114,13 @@ def synthetic_raw(args: list[str], spec: LoadSpec) -> dict[str, Any]:
     rps = batch / service
     good = ttft * 1000 <= (spec.slo_ttft_ms or math.inf) and tpot * 1000 <= (
         spec.slo_tpot_ms or math.inf)
-    return {"duration": n / rps, "completed": n, "failed": 0, "request_throughput": rps,
+    spec_decode = {}
+    if "--speculative-config" in args:  # vLLM's counters; random tokens inflate acceptance
+        rates = RANDOM_RATES if spec.prompts_path is None else NATURAL_RATES
+        spec_decode = {"spec_decode_acceptance_length": 1 + sum(rates) / 100,
+                       "spec_decode_per_position_acceptance_rates": list(rates)}
+    return {**spec_decode, "duration": n / rps, "completed": n, "failed": 0,
+            "request_throughput": rps,
             "request_goodput": rps if good else 0.0, "output_throughput": rps * out,
             "mean_ttft_ms": ttft * 1000, "median_ttft_ms": ttft * 1000,
             "p99_ttft_ms": ttft * 1000, "mean_tpot_ms": tpot * 1000,
@@ -465,3 +480,114 @@ def test_plot_draws_measured_curves_or_says_why_not(tmp_path: Path, fake_engine,
         assert not png.exists() and any("--plot needs matplotlib" in s for s in lines)
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- MTP acceptance
+
+
+def _acceptance_calls() -> list[LoadSpec]:
+    return [c for c in FakeLoadgen.calls if c.prompts_path is not None]
+
+
+@pytest.mark.parametrize("dataset", [False, True])
+def test_mtp_acceptance_is_measured_on_natural_prompts_and_names_its_source(
+        tmp_path: Path, fake_engine, tiny_spec, dataset: bool):
+    factory, starts, _ = fake_engine
+    mine = [f"Question {i}: what is a \u201cgood\u201d answer?\u2028Explain." for i in range(5)]
+    prompts = None
+    if dataset:
+        path = tmp_path / "mine.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n"
+                                for i, p in enumerate(mine)))
+        prompts = load_prompts(path)
+    status, doc = _run(tiny_spec, _opts(tmp_path, max_starts=2, rungs=1, user_candidates=[MTP],
+                                        prompts=prompts), factory)
+    assert status == 0
+    mtp = [t for t in doc["trials"] if t["source"] == "user"]
+    assert len(mtp) == 1 and mtp[0]["status"] == "ok", doc["trials"]
+    others = [t for t in doc["trials"] if t["source"] != "user" and t["status"] == "ok"]
+
+    # one acceptance run per MTP trial, on the natural prompts file, never on random tokens
+    calls = _acceptance_calls()
+    assert len(calls) == 1
+    argv = benchmark_argv(calls[0])
+    assert argv[argv.index("--dataset-name") + 1] == "custom" and "random" not in argv
+    assert not any(a.startswith("--random") for a in argv)
+    sent = Path(argv[argv.index("--dataset-path") + 1])
+    assert sent.parent == tmp_path / "out" and sent.suffix == ".jsonl"
+    expected = mine if dataset else list(builtin_prompts().prompts)
+    assert [json.loads(line)["prompt"] for line in sent.read_text().splitlines()] == expected
+    assert calls[0].num_prompts == len(expected)
+    assert calls[0].output_len <= _opts(tmp_path).workload.output_len
+    # the knee stays on the random dataset for every trial
+    assert all(c.prompts_path is None for c in FakeLoadgen.calls if c not in calls)
+
+    # what is recorded came from the natural run and says so; the random points' figure is
+    # kept beside it, labelled, and never recorded
+    acc = mtp[0]["mtp_acceptance"]
+    assert acc["first"] == pytest.approx(NATURAL_RATES[0] / 100)
+    assert acc["first"] < mtp[0]["mtp_acceptance_random"]["first"]
+    assert "random" in mtp[0]["mtp_acceptance_random"]["source"]
+    assert acc["prompts"]["source"] == ("dataset" if dataset else "builtin")
+    assert (str(path) in acc["source"]) if dataset else ("built-in" in acc["source"])
+    assert doc["acceptance_prompts"]["source"] == acc["prompts"]["source"]
+    assert doc["acceptance_prompts"]["sent"] == len(expected)
+    assert all("mtp_acceptance" not in t for t in others)
+    stored = json.loads((tmp_path / "cache" / "mtp_acceptance.json").read_text())
+    entry = stored[tiny_spec.name]
+    assert entry["first"] == acc["first"] and entry["source"] == acc["source"]
+    assert SP.acceptance(model=tiny_spec.name).first == acc["first"]
+    assert acc["source"] in SP.acceptance(model=tiny_spec.name).source
+
+
+def test_no_mtp_trial_means_no_acceptance_run_and_an_unused_dataset_is_noted(
+        tmp_path: Path, fake_engine, tiny_spec):
+    factory, _, _ = fake_engine
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "Tell me a story."}\n')
+    status, doc = _run(tiny_spec, _opts(tmp_path, max_starts=1, prompts=load_prompts(path)),
+                       factory)
+    assert status == 0 and doc["starts"] == 1
+    assert _acceptance_calls() == [] and "acceptance_prompts" not in doc
+    assert any("--dataset" in n and "not used" in n for n in doc["notes"])
+    assert not (tmp_path / "out" / "acceptance-prompts.jsonl").exists()
+
+
+def _too_big(path: Path) -> Path:
+    path.write_text('{"prompt": "hello there, how are you?"}\n' * 100)
+    return path
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: d / "missing.jsonl", "no such file"),
+    (lambda d: d, "not a file"),
+    (lambda d: (d / "e.jsonl").write_text("\n\n") and d / "e.jsonl", "no prompts"),
+    (lambda d: (d / "t.txt").write_text("plain text prompt\n") and d / "t.txt", "not JSON"),
+    (lambda d: (d / "n.jsonl").write_text('{"text": "hi"}\n') and d / "n.jsonl",
+     'no non-empty string "prompt"'),
+    (lambda d: (d / "s.jsonl").write_text('{"prompt": "  "}\n') and d / "s.jsonl",
+     'no non-empty string "prompt"'),
+    (lambda d: (d / "b.jsonl").write_bytes(b'{"prompt": "\xff"}\n') and d / "b.jsonl",
+     "not UTF-8"),
+    (lambda d: _too_big(d / "big.jsonl"), "MiB accepted"),
+])
+def test_cli_dataset_is_checked_one_line_exit_2(tmp_path: Path, tiny_spec, monkeypatch, make,
+                                                message: str):
+    monkeypatch.setattr("launcher.inputs.prompts.MAX_DATASET_BYTES", 1024)
+    d = tmp_path / "data"
+    d.mkdir()
+    r = CliRunner().invoke(cli, ["tune", tiny_spec.path, "--gpus", "cpu", "--output",
+                                 str(tmp_path / "out"), "--dataset", str(make(d))])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "--dataset" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "tune.json").exists(), "checked after work had started"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_cli_unreadable_dataset_is_one_line(tmp_path: Path, tiny_spec):
+    path = tmp_path / "secret.jsonl"
+    path.write_text('{"prompt": "hi"}\n')
+    path.chmod(0)
+    r = CliRunner().invoke(cli, ["tune", tiny_spec.path, "--gpus", "cpu", "--dataset", str(path)])
+    assert r.exit_code == 2 and "cannot read" in r.output and "Traceback" not in r.output

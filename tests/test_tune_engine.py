@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.run.loadgen import LoadSpec, run_benchmark
+from launcher.run.loadgen import LoadGenerator, LoadSpec
 
 pytestmark = pytest.mark.engine
 
@@ -127,10 +127,12 @@ def test_tune_on_the_cpu_engine(tiny_model: Path, tmp_path: Path):
         env=env)
     try:
         base_url = _serving_url(proc)
-        summary = run_benchmark(
-            LoadSpec(base_url, doc["model"]["name"], str(tiny_model), 64, 32, knee,
-                     max(8, 2 * knee), 0, SLO_TTFT_MS, SLO_TPOT_MS, num_warmups=min(knee, 4)),
-            timeout=300)
+        with LoadGenerator() as gen:
+            summary = gen.run(
+                LoadSpec(base_url, doc["model"]["name"], str(tiny_model), 64, 32, knee,
+                         max(8, 2 * knee), 0, SLO_TTFT_MS, SLO_TPOT_MS,
+                         num_warmups=min(knee, 4)),
+                timeout=300)
         assert summary["failed"] == 0 and summary["completed"] >= max(8, 2 * knee), summary
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -1,10 +1,11 @@
 """`vlaunch capacity`: how many GPUs, and what per month, for N users or R requests/s.
 
-For each GPU option (a node shape such as 8xH200) the planner and the performance model give
-every layout's knee under the SLO; the replica is the layout that serves the most load there
-(users: requests in flight; rps: requests per second), so a tighter SLO or more load can only
-need more GPUs. Replicas = ceil(load x (1 + headroom) / per-replica) + spare. Prices are the
-catalog's list prices (dated, sourced) or the user's; they scale the bill, never the count.
+For each GPU option (a node shape such as 8xH200) the replica is exactly the plan `vlaunch plan`
+makes for it (the same search, objective, SLO, MTP pin and candidate): its knee under the SLO
+says what one replica serves (users: requests in flight; rps: Poisson arrivals under the knee),
+and its figures are the plan's own. Replicas = ceil(load x (1 + headroom) / per-replica) +
+spare. Prices are the catalog's list prices (dated, sourced) or the user's; they scale the
+bill, never the count. When no option meets the SLO the answer names the closest miss.
 """
 
 from __future__ import annotations
@@ -66,20 +67,23 @@ class Option:
     problem: str = ""
     curve: list[dict[str, Any]] | None = None
     serving: dict[str, Any] | None = None  # MTP, all-to-all backend, parsers of the replica
+    single_request: dict[str, float] | None = None  # one request alone (the closest-miss figure)
+    vllm_args: list[str] | None = None  # the replica's command: `vlaunch plan`'s exactly
 
     @property
     def gpus_total(self) -> int | None:
         return self.replicas * self.hw.count if self.replicas is not None else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "parallel": self.parallel, "kv_cache_dtype": self.kv_dtype,
+        return {"gpus": self.gpus, "parallel": self.parallel, "kv_cache": {"dtype": self.kv_dtype},
                 "max_model_len": self.max_model_len, "replicas": self.replicas,
                 "gpus_total": self.gpus_total, "per_replica": self.per_replica,
                 "binding": self.binding, "usd_per_gpu_hour": self.price,
                 "price_source": self.price_source, "monthly_usd": _r(self.monthly_usd),
                 "usd_per_million_output_tokens": _r(self.usd_per_m, 3),
                 "source": self.source, "problem": self.problem or None,
-                "curve": self.curve, "serving": self.serving}
+                "curve": self.curve, "serving": self.serving,
+                "single_request": self.single_request, "vllm_args": self.vllm_args}
 
 
 def _r(x: float | None, nd: int = 0) -> float | None:
@@ -122,57 +126,53 @@ def default_options(spec: ModelSpec) -> list[list[str]]:
     return out
 
 
-def _metric(a: Any, load: Load, workload: Workload) -> float:
-    if a is None or a.knee is None:
-        return -1.0
-    if load.users is not None:
-        return a.knee.concurrency
-    return perf.open_loop_rate(a.shape, workload, a.knee.concurrency)
-
-
 def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, slo: SLO,
                     pins: Pins, prices: dict[str, float], headroom: float,
-                    spare: int) -> Option:
+                    spare: int, objective: str = "balanced") -> Option:
+    """One GPU option: `vlaunch plan`'s plan for it, then replicas and the bill."""
     hw = parse_gpus(gpus)
     price = prices.get(hw.kind.name, hw.kind.price_usd_per_hour)
     source = ("your --price" if hw.kind.name in prices else
               f"list price, {hw.kind.price_source} ({hw.kind.price_date})"
               if hw.kind.price_usd_per_hour else "no price known: pass --price")
     opt = Option(gpus, hw, price, source)
-    plan = make_plan(spec, hw, pins, suggest=False, workload=workload, objective="throughput",
+    plan = make_plan(spec, hw, pins, suggest=False, workload=workload, objective=objective,
                      slo=slo)
     if not plan.fits:
         opt.problem = plan.chosen.problem or "does not fit"
         return opt
-    best = max((a for a in plan.assessments.values() if a is not None
-                and a.candidate.max_model_len >= plan.chosen.max_model_len),
-               key=lambda a: _metric(a, load, workload), default=None)
-    if best is None:
+    a = plan.performance
+    if a is None:
         opt.problem = f"no speed facts for {hw.kind.name} in the GPU catalog"
         return opt
-    c = best.candidate
-    L = c.layout
-    opt.parallel = {"tp": L.tp, "pp": L.pp, "dp": L.dp, "expert_parallel": L.expert_parallel,
-                    "nodes": L.nodes, "label": c.label()}
-    opt.kv_dtype, opt.max_model_len, opt.source = c.kv_dtype, c.max_model_len, best.source
-    opt.curve = [p.to_dict() for p in best.curve]
-    opt.serving = _serving_summary(plan, c)
-    if best.knee is None:
+    d = plan.to_dict()  # the plan's own serialisation: the same figures `vlaunch plan` prints
+    perf_d, c = d["performance"], plan.chosen
+    opt.parallel = {**{k: d["parallel"][k] for k in ("tp", "pp", "dp", "expert_parallel",
+                                                      "nodes")}, "label": c.label()}
+    opt.kv_dtype, opt.max_model_len, opt.source = c.kv_dtype, c.max_model_len, a.source
+    opt.curve = perf_d["curve"]
+    opt.single_request = perf_d["single_request"]
+    opt.vllm_args = d["vllm_args"]
+    s = plan.serving
+    opt.serving = {"mtp": s.mtp.k if s.mtp.enabled else 0, "mtp_reason": s.mtp.reason,
+                   "all2all_backend": s.ep.backend if s.ep.applies else None}
+    k = perf_d["knee"]
+    if k is None:
+        one = perf_d["single_request"]
         opt.problem = (f"the SLO is out of reach: one request alone sees TPOT "
-                       f"{best.single.tpot_ms:.1f} ms, TTFT {best.single.ttft_ms:,.0f} ms")
+                       f"{one['tpot_ms']:.1f} ms, TTFT {one['ttft_ms']:,.0f} ms")
         opt.binding = "slo"
         return opt
-    k = best.knee
-    opt.binding = best.binding
-    opt.per_replica = {"max_concurrency": round(k.concurrency, 1),
-                       "requests_per_s": round(k.requests_per_s, 3),
-                       "output_tokens_per_s": round(k.output_tokens_per_s, 1),
-                       "tpot_ms": round(k.tpot_ms, 1), "ttft_ms": round(k.ttft_ms, 0)}
+    opt.binding = perf_d["binding"]
+    opt.per_replica = {"knee_concurrency": k["concurrency"],
+                       "requests_per_s": k["requests_per_s"],
+                       "output_tokens_per_s": k["output_tokens_per_s"],
+                       "tpot_ms": k["tpot_ms"], "ttft_ms": k["ttft_ms"]}
     # Users are a closed loop (the knee's concurrency); arrivals are Poisson, so a replica
     # takes the rate whose random peaks still fit under the knee (perf.open_loop_rate).
-    open_rps = perf.open_loop_rate(best.shape, workload, k.concurrency)
+    open_rps = perf.open_loop_rate(a.shape, workload, k["concurrency"])
     opt.per_replica["open_loop_requests_per_s"] = round(open_rps, 3)
-    per = k.concurrency if load.users is not None else open_rps
+    per = k["concurrency"] if load.users is not None else open_rps
     if per <= 0:
         opt.problem = "the knee is at one request: Poisson arrivals would queue past the SLO"
         return opt
@@ -180,7 +180,7 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
     active = max(1, math.ceil(want / per - 1e-9))
     opt.replicas = active + spare
     if load.users is not None:
-        served = perf.point(best.shape, workload, load.users / active).output_tokens_per_s
+        served = perf.point(a.shape, workload, load.users / active).output_tokens_per_s
         served *= active
     else:
         served = float(load.rps) * workload.output_len
@@ -191,25 +191,24 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
     return opt
 
 
-def _serving_summary(plan: Any, c: Any) -> dict[str, Any] | None:
-    """The replica's serving features: decided for the plan's chosen layout (MTP's memory and
-    speed are in that candidate and its curve); a runner-up layout runs without them."""
-    s = getattr(plan, "serving", None)
-    if s is None:
-        return None
-    if c is not plan.chosen:
-        return {"mtp": 0, "all2all_backend": None, "note": "serving features are decided for "
-                "the planner's chosen layout; this replica's layout runs without MTP"}
-    return {"mtp": s.mtp.k if s.mtp.enabled else 0, "mtp_reason": s.mtp.reason,
-            "all2all_backend": s.ep.backend if s.ep.applies else None,
-            "vllm_args": s.vllm_args()}
+def closest_miss(options: list[Option], slo: SLO) -> Option | None:
+    """The option nearest to meeting the SLO: one request alone, the worse of its TPOT and
+    TTFT as a multiple of the SLO's."""
+    def over(o: Option) -> float:
+        one = o.single_request or {}
+        return max(one.get("tpot_ms", math.inf) / slo.tpot_ms,
+                   one.get("ttft_ms", math.inf) / slo.ttft_ms)
+
+    missed = [o for o in options if o.single_request and o.replicas is None]
+    return min(missed, key=over, default=None)
 
 
 def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
                   gpus: list[str] | None = None, prices: dict[str, float] | None = None,
-                  headroom: float = 0.2, spare: int = 0, pins: Pins | None = None
-                  ) -> dict[str, Any]:
-    """Every option, cheapest first; `recommended` is the cheapest that meets the SLO."""
+                  headroom: float = 0.2, spare: int = 0, pins: Pins | None = None,
+                  objective: str = "balanced") -> dict[str, Any]:
+    """Every option, cheapest first; `recommended` is the cheapest that meets the SLO (priced
+    options before unpriced ones); `closest_miss` when none does."""
     load.validate()
     if not 0 <= headroom <= 10:
         raise InputError(f"--headroom must be between 0 and 10 (a fraction), got {headroom}")
@@ -229,50 +228,92 @@ def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
     opts = []
     for shapes in groups:  # one GPU kind: keep its cheapest replica shape
         tried = [evaluate_option(spec, g, load, workload, slo, pins, prices or {}, headroom,
-                                 spare) for g in shapes]
+                                 spare, objective) for g in shapes]
         opts.append(min(tried, key=lambda o: (*cost(o), o.hw.count)) if len(tried) > 1
                     else tried[0])
 
     opts.sort(key=cost)
-    ok = [o for o in opts if o.replicas is not None and o.monthly_usd is not None]
-    return {"model": spec.name, "load": {"users": load.users, "rps": load.rps,
+    ok = [o for o in opts if o.replicas is not None]
+    miss = None if ok else closest_miss(opts, slo)
+    return {"model": {"name": spec.name, "hf_id": spec.hf_id, "params": B.param_count(spec)},
+            "objective": objective,
+            "mtp": {True: "on", False: "off", None: "planner"}[pins.speculative],
+            "load": {"users": load.users, "rps": load.rps,
                                          "describe": load.describe()},
-            "workload": {"input_len": workload.input_len, "output_len": workload.output_len,
-                         "name": workload.name, "assumed": workload.assumed},
+            # the workload's names are the plan's (performance: input_len ... assumed_workload)
+            "input_len": workload.input_len, "output_len": workload.output_len,
+            "workload": workload.name, "assumed_workload": workload.assumed,
             "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
             "headroom": headroom, "spare": spare, "hours_per_month": HOURS_PER_MONTH,
             "options": [o.to_dict() for o in opts],
-            "recommended": ok[0].to_dict() if ok else None}
+            "recommended": ok[0].to_dict() if ok else None,
+            "closest_miss": miss.to_dict() if miss else None}
 
 
-def render(d: dict[str, Any]) -> str:
-    w, slo = d["workload"], d["slo"]
-    lines = [f"{d['model']}: {d['load']['describe']}; {w['input_len']:,} in / "
-             f"{w['output_len']:,} out per request"
-             + (" (assumed: pass --workload or --input-len/--output-len)" if w["assumed"] else "")
-             + f"; SLO TTFT {slo['ttft_ms']:,.0f} ms, TPOT {slo['tpot_ms']:.0f} ms; headroom "
-             f"{d['headroom']:.0%}, spare {d['spare']}",
-             f"  {'GPUs/replica':13} {'layout':12} {'per replica':>22} {'binds':>16} "
-             f"{'replicas':>8} {'GPUs':>5} {'$/month':>11} {'$/M out tok':>11}"]
+def render(d: dict[str, Any], cols: int = 100) -> str:
+    """The capacity answer as text within `cols` columns (launcher/term.py)."""
+    from .. import term
+
+    slo = d["slo"]
+    head = (f"{d['model']['name']}: {d['load']['describe']}; {d['input_len']:,} in / "
+            f"{d['output_len']:,} out per request"
+            + (" (assumed: pass --workload or --input-len/--output-len)"
+               if d["assumed_workload"] else "")
+            + f"; SLO TTFT {slo['ttft_ms']:,.0f} ms, TPOT {slo['tpot_ms']:.0f} ms; objective "
+            f"{d['objective']}; MTP {d['mtp']}; headroom {d['headroom']:.0%}, spare {d['spare']}")
+    rows = [["GPUs/replica", "layout", "MTP", "users", "rps", "binds", "replicas", "GPUs",
+             "$/month", "$/Mtok"]]
+    misses = []
     for o in d["options"]:
         if o["replicas"] is None:
-            lines.append(f"  {o['gpus']:13} {'-':12} {o['problem']}")
+            label = (o.get("parallel") or {}).get("label")
+            misses.append(f"  {o['gpus']}" + (f" ({label})" if label else "") + ": "
+                          + (o["problem"] or "no replica"))
             continue
         pr = o["per_replica"]
-        per = (f"{pr['max_concurrency']:,.0f} users/"
-               f"{pr['open_loop_requests_per_s']:,.1f} rps")
-        money = (f"{o['monthly_usd']:>11,.0f} {o['usd_per_million_output_tokens']:>11,.3f}"
-                 if o["monthly_usd"] is not None else f"{'no price':>11} {'-':>11}")
-        lines.append(f"  {o['gpus']:13} {o['parallel']['label']:12} {per:>22} "
-                     f"{o['binding']:>16} {o['replicas']:>8} {o['gpus_total']:>5} {money}")
+        priced = o["monthly_usd"] is not None
+        rows.append([o["gpus"], o["parallel"]["label"],
+                     str((o.get("serving") or {}).get("mtp") or "off"),
+                     f"{pr['knee_concurrency']:,.0f}", f"{pr['open_loop_requests_per_s']:,.1f}",
+                     o["binding"], str(o["replicas"]), str(o["gpus_total"]),
+                     f"{o['monthly_usd']:,.0f}" if priced else "no price",
+                     f"{o['usd_per_million_output_tokens']:,.3f}" if priced else "-"])
+    lines = term.fit([head], cols)
+    right = (2, 3, 4, 6, 7, 8, 9)
+    if cols < 100:  # narrow: the binding limit is in the JSON; keep the numbers on one line
+        rows = [r[:5] + r[6:] for r in rows]
+        right = (2, 3, 4, 5, 6, 7, 8)
+    if len(rows) > 1:
+        lines += term.table(rows, cols, indent="  ", right=right,
+                            gap=" " if cols < 100 else "  ")
+    lines += term.fit(misses, cols)
     rec = d["recommended"]
     if rec:
-        lines.append(f"recommended: {rec['replicas']} x {rec['gpus']} ({rec['parallel']['label']},"
-                     f" kv {rec['kv_cache_dtype']}) = {rec['gpus_total']} GPUs, "
-                     f"${rec['monthly_usd']:,.0f}/month at ${rec['usd_per_gpu_hour']:.2f}/GPU-hour "
-                     f"({rec['price_source']}); performance source: {rec['source']}")
+        bill = (f"${rec['monthly_usd']:,.0f}/month at ${rec['usd_per_gpu_hour']:.2f}/GPU-hour "
+                f"({rec['price_source']})" if rec["monthly_usd"] is not None else
+                "no price known: pass --price")
+        lines += term.fit([f"recommended: {rec['replicas']} x {rec['gpus']} "
+                           f"({rec['parallel']['label']}, kv {rec['kv_cache']['dtype']}) = "
+                           f"{rec['gpus_total']} GPUs, {bill}; performance source: "
+                           f"{rec['source']}"], cols)
+        mtp_reason = (rec.get("serving") or {}).get("mtp_reason")
+        if mtp_reason:
+            lines += term.fit([f"  - {mtp_reason}"], cols)
     else:
-        lines.append("recommended: none - no option meets the SLO with a known price")
-    lines.append("prices are list prices of the named providers on the stated dates, not quotes; "
-                 "the model's predictions are checked with `vlaunch tune` on the real engine")
+        lines.append("recommended: none - no option meets the SLO")
+    lines += term.fit(["prices are list prices of the named providers on the stated dates, "
+                       "not quotes; the model's predictions are checked with `vlaunch tune` on "
+                       "the real engine"], cols)
     return "\n".join(lines)
+
+
+def miss_message(d: dict[str, Any]) -> str:
+    """One line for exit 3: no option meets the SLO, and the closest miss."""
+    m, slo = d.get("closest_miss"), d["slo"]
+    if not m:
+        return "no GPU option fits the model; see the table for why"
+    one = m["single_request"]
+    return (f"no GPU option meets the SLO (TTFT {slo['ttft_ms']:,.0f} ms, TPOT "
+            f"{slo['tpot_ms']:.0f} ms); closest: {m['gpus']} ({m['parallel']['label']}), one "
+            f"request alone sees TPOT {one['tpot_ms']:.1f} ms, TTFT {one['ttft_ms']:,.0f} ms; "
+            "relax --slo or shorten the workload")

@@ -17,8 +17,9 @@ Default acceptance, from vLLM's own measurements of DeepSeek MTP:
 - first draft 0.81: vllm-project/vllm PR #12755 (DeepSeek MTP, R1, k = 1) measured 81-82%;
 - each later draft, given the one before accepted, 0.5: vllm-project/vllm PR #41044 logged
   per-position rates of 76.9-78.6% and 35.5-38.1% for DeepSeek MTP with k = 2 (0.46-0.49
-  conditional). With these the model meets PR #13626's measured R1 speed-ups of 1.33/1.53/1.61x
-  for k = 1/2/3 at one request (bench/perf_fit.py scores those rows).
+  conditional). With these the model predicts 1.50/1.58/1.51x for k = 1/2/3 at one request
+  where PR #13626 measured 1.33/1.53/1.61x, and 1.22x for k = 1 at 8 in flight where it
+  measured 0.91x (`make bench` scores those rows; V0 engine, lengths not stated).
 """
 
 from __future__ import annotations

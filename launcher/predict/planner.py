@@ -1,10 +1,12 @@
-"""The planner: search layouts and settings, decide, and explain every decision.
+"""The planner: the composer of one search and one prediction, and the explanations.
 
-Inputs: a `ModelSpec`, a `Hardware` and the user's pinned flags. For each parallel layout that
-the model's heads allow (TP inside a node, PP across nodes, DP+EP for MoE) it runs the budget
-model at the chosen KV dtype, utilization and batch sizes, then picks by the objective: the
-target context first (the model's full context unless pinned), then the most concurrent
-sequences at that context. Every choice carries its reason; losing layouts say why they lost.
+Inputs: a `ModelSpec`, a `Hardware`, the user's pinned flags, the workload, SLO and objective.
+`make_plan` hands every candidate (layout, KV dtype, context, batch limits, chunked prefill,
+MTP drafts) to the search (`search.py`), which judges each for memory and speed at exactly the
+flags it would emit and ranks them under the same conditions (`rank.py`). The best becomes the
+plan; its assessment is the single prediction the text, JSON, plot and `vlaunch capacity` read;
+each runner-up is the best version of another layout with the figure it lost on. Every choice
+carries its reason, read from the judged candidates.
 """
 
 from __future__ import annotations
@@ -20,133 +22,27 @@ from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec, Quant
 from ..inputs.workload import SLO, Workload, check_objective, resolve_workload
 from . import budget as B
-from . import kvcache as K
+from . import rank, search, serving
+from .candidates import (  # noqa: F401 - the planner's public names, kept for its callers
+    CPU_MEMORY_FRACTION,
+    CUDA_CONTEXT_BYTES,
+    KV_DTYPES,
+    MIN_CONTEXT,
+    Candidate,
+    Pins,
+    evaluate,
+    layouts,
+    tp_allowed,
+)
 from .capabilities import (
     VersionTraits,
-    attention_support,
     batch_defaults,
-    block_size,
-    cpu_resets_ssm_dtype,
     default_vllm_version,
     fp8_kv_support,
     gate_reason,
-    head_size_support,
     version_traits,
 )
 from .perfplan import FP8_MARGIN
-
-CUDA_CONTEXT_BYTES = 600 * MiB
-"""Memory the vLLM process itself takes (CUDA context, NCCL init) before it checks that free
-memory covers its request (gpu_worker's start-up check measures after initialisation)."""
-
-MIN_CONTEXT = 4096
-"""The shortest context vlaunch calls serviceable when the user pins none (chat + tools)."""
-
-CPU_MEMORY_FRACTION = 0.5
-"""Share of free RAM the CPU engine may use for weights and KV (vLLM's former CPU default)."""
-
-KV_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
-
-
-@dataclass(frozen=True)
-class Pins:
-    """What the user fixed on the command line; the planner decides the rest."""
-
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    expert_parallel: bool | None = None
-    max_model_len: int | None = None
-    kv_cache_dtype: str | None = None
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enforce_eager: bool = False
-    kv_cache_memory_bytes: int | None = None
-    vllm_version: str | None = None
-    block_size: int | None = None
-    pin_kv_memory: bool = False
-    # serving features (launcher/predict/serving.py): None leaves the decision to the planner
-    speculative: bool | None = None
-    num_speculative_tokens: int | None = None
-    mtp_acceptance: float | None = None
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    chat_template: str | None = None
-    all2all_backend: str | None = None
-
-    def validate(self) -> None:
-        for name in ("tp", "pp", "dp", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InputError(f"--{name.replace('_', '-')} must be a positive integer, "
-                                 f"got {value}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InputError(f"--max-model-len must be a positive number of tokens, "
-                             f"got {self.max_model_len}")
-        u = self.gpu_memory_utilization
-        if u is not None and not 0 < u <= 1:
-            raise InputError(f"--gpu-memory-utilization must be in (0, 1], got {u}")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_DTYPES:
-            raise InputError(f"unknown --kv-cache-dtype '{self.kv_cache_dtype}'; accepted: "
-                             f"{', '.join(KV_DTYPES)}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise InputError("--kv-cache-memory-bytes must be positive")
-
-
-@dataclass
-class Candidate:
-    """One layout evaluated by the budget model, per GPU on the limiting rank."""
-
-    layout: B.Layout
-    kv_dtype: str
-    block_size: int
-    utilization: float
-    requested: int
-    weights: int
-    activation: int
-    cudagraph: int
-    non_torch: int
-    kv_memory: int
-    kv_bytes_per_token: int
-    blocks: int
-    tokens: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    fits: bool
-    problem: str = ""
-    stages: list[dict[str, int]] = field(default_factory=list)  # per PP stage, limiting rank
-    cache: dict[str, Any] = field(default_factory=dict)  # kvcache.Pool facts for the plan
-    pool_layers: tuple = field(default=(), repr=False)  # kvcache specs, one per layer
-    demand: K.Demand = field(default=K.Demand(0, 0), repr=False)
-
-    @property
-    def concurrency(self) -> float:
-        """Full-length requests the whole deployment holds (DP engines have their own caches):
-        vLLM's "Maximum concurrency" per engine (pool blocks / blocks per request) x DP."""
-        if not self.max_model_len:
-            return 0.0
-        per_engine = self.cache.get("engine_concurrency")
-        if per_engine is None:
-            per_engine = self.tokens / self.max_model_len
-        return self.layout.dp * per_engine
-
-    def label(self) -> str:
-        L = self.layout
-        parts = [f"TP{L.tp}"]
-        if L.pp > 1:
-            parts.append(f"PP{L.pp}")
-        if L.dp > 1:
-            parts.append(f"DP{L.dp}")
-        text = "x".join(parts)
-        return text + ("+EP" if L.expert_parallel else "")
-
-    def summary(self) -> str:
-        if not self.fits:
-            return f"{self.label()}: {self.problem}"
-        return (f"{self.label()}: {self.tokens:,} KV tokens per engine, "
-                f"{self.concurrency:.1f} concurrent at {self.max_model_len:,} tokens")
 
 
 @dataclass
@@ -168,7 +64,11 @@ class Plan:
     workload: Workload | None = None
     slo: SLO | None = None
     why_not: dict[int, str] = field(default_factory=dict)  # id(runner-up) -> the figure it lost on
+    drafts: dict[int, int] = field(default_factory=dict)  # id(runner-up) -> its MTP draft tokens
     serving: Any = None  # serving.Serving: MTP, parsers, all-to-all backend
+    concurrency: int | None = None  # the operating point the user asked for (--concurrency)
+    judged: int = 0  # candidates the search judged for memory
+    timed: int = 0  # of those, judged for speed too
 
     @property
     def fits(self) -> bool:
@@ -264,6 +164,7 @@ class Plan:
                         "activation_bytes": c.activation, "cudagraph_bytes": c.cudagraph,
                         "non_torch_bytes": c.non_torch, "kv_cache_bytes": c.kv_memory},
             "max_concurrency": round(c.concurrency, 2),
+            "candidates": {"judged": self.judged, "timed": self.timed},
             "per_stage": c.stages if L.pp > 1 else [],
             "vllm_version": self.vllm_version,
             "vllm_args": self.vllm_args(),
@@ -282,7 +183,10 @@ class Plan:
 
         if self.workload is None or self.slo is None:
             return None
-        return performance_dict(a, self.objective, self.workload, self.slo)
+        d = performance_dict(a, self.objective, self.workload, self.slo)
+        if d is not None:
+            d["asked_concurrency"] = self.concurrency
+        return d
 
     def _alternative(self, c: Candidate) -> dict[str, Any]:
         """A runner-up with the figure it lost on."""
@@ -294,26 +198,15 @@ class Plan:
                              "expert_parallel": L.expert_parallel, "nodes": L.nodes},
                 "kv_cache": {"dtype": c.kv_dtype, "tokens": c.tokens},
                 "max_concurrency": round(c.concurrency, 2), "fits": c.fits,
+                "num_speculative_tokens": self.drafts.get(id(c), 0),
+                "max_num_seqs": c.max_num_seqs,
+                "max_num_batched_tokens": c.max_num_batched_tokens,
                 "performance": self._performance(a) if a else None,
                 "summary": c.summary(), "why_not": why}
 
 
 
 # ----------------------------------------------------------------------------- search
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tp_allowed(spec: ModelSpec, tp: int) -> str | None:
-    """None when vLLM can shard this model over `tp` ranks, else why not."""
-    if spec.num_heads % tp:
-        return f"TP {tp} does not divide the {spec.num_heads} attention heads"
-    kv = spec.num_kv_heads
-    if spec.attention == "gqa" and kv % tp and tp % kv:
-        return f"TP {tp} and the {kv} KV heads do not divide one another"
-    return None
 
 
 def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: list[str],
@@ -342,55 +235,6 @@ def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: 
                          "pinned KV size or plan for a newer --vllm-version")
 
 
-def layouts(spec: ModelSpec, hw: Hardware, pins: Pins,
-            traits: VersionTraits | None = None) -> list[B.Layout]:
-    """Layouts over all GPUs. TP groups never straddle a node unless TP spans whole nodes
-    (TP16 on 2x8: valid in vLLM, ranked against TP8 x PP2 by the model's cross-node
-    all-reduce cost); PP stages inside a node or across nodes (vLLM places ranks TP-major,
-    so a stage is a TP group); DP (+EP for MoE) as engines; an EP group never larger than the
-    routed experts (vLLM cannot give a rank no expert)."""
-    if hw.is_cpu:
-        if (pins.tp or 1) > 1 or (pins.pp or 1) > 1 or (pins.dp or 1) > 1:
-            raise InputError("the CPU engine is planned as one process: drop --tp/--pp/--dp "
-                             "(or the parallel sizes after --)")
-        return [B.Layout()]
-    has_ep = traits is None or traits.has("expert_parallel")
-    has_dp = traits is None or traits.has("data_parallel")
-    if pins.expert_parallel and not has_ep:
-        raise InputError(f"{gate_reason('expert_parallel', traits.version)}: drop "
-                         "--expert-parallel or plan for a newer --vllm-version")
-    if (pins.dp or 1) > 1 and not has_dp:
-        raise InputError(f"{gate_reason('data_parallel', traits.version)}: drop --dp or plan "
-                         "for a newer --vllm-version")
-    total, per_node = hw.count, hw.gpus_per_node
-    tps = _divisors(per_node) + [per_node * k for k in _divisors(hw.nodes) if k > 1]
-    out = []
-    for tp in tps:
-        if pins.tp and tp != pins.tp or tp_allowed(spec, tp):
-            continue
-        for dp in _divisors(total // tp):
-            pp = total // (tp * dp)
-            if pins.pp and pp != pins.pp or pins.dp and dp != pins.dp:
-                continue
-            if dp > 1 and not has_dp:
-                continue
-            if pp > 1 and (dp > 1 or pp > spec.num_layers):
-                continue
-            if tp > per_node and dp > 1:
-                continue
-            ep = spec.is_moe and tp * dp > 1 and has_ep
-            if pins.expert_parallel is not None:
-                ep = pins.expert_parallel and spec.is_moe
-            if ep and tp * dp > spec.num_experts:
-                continue
-            out.append(B.Layout(tp=tp, pp=pp, dp=dp, expert_parallel=ep, nodes=hw.nodes))
-    if pins.tp and not out:
-        why = tp_allowed(spec, pins.tp) or (f"TP {pins.tp} does not fit {per_node} GPUs per node "
-                                            "with the pinned PP/DP")
-        raise InputError(f"--tp {pins.tp} is not possible for {spec.name}: {why}")
-    return out
-
-
 def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
                  warnings: list[str], reasons: list[str]) -> float:
     if hw.is_cpu:
@@ -416,160 +260,6 @@ def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
     return u
 
 
-def reported_tokens(blocks: int, block: int, length: int) -> int:
-    """KV tokens as vLLM reports them: whole max-length requests' worth,
-    blocks / cdiv(len, block) x len (kv_cache_utils); blocks x block when len is a multiple."""
-    if not length or length % block == 0:
-        return blocks * block
-    return int(blocks / math.ceil(length / block) * length)
-
-
-def cache_options(spec: ModelSpec, hw: Hardware, traits: VersionTraits) -> dict[str, Any]:
-    """How this vLLM on this platform builds the layer caches (budget.layer_caches)."""
-    ssm = None
-    lay_dtype = str((spec.config.get("text_config") or spec.config).get("mamba_ssm_dtype") or "")
-    if hw.is_cpu and cpu_resets_ssm_dtype() and lay_dtype not in ("float32",):
-        ssm = 4  # platforms/cpu.py: AVX512-BF16 CPUs keep GDN's SSM state in float32
-    return {"hybrid": traits.has("hybrid_kv_cache"), "mla_align": traits.mla_cache_align,
-            "ssm_bytes": ssm, "plain_fp8_sparse": is_blackwell(hw)
-            and traits.has("sparse_mla_plain_fp8")}
-
-
-def is_blackwell(hw: Hardware) -> bool:
-    """Data-center Blackwell (compute capability 10.x: B200, B300, GB200)."""
-    cc = hw.kind.cc
-    return hw.kind.platform == "cuda" and cc is not None and 10.0 <= cc < 11.0
-
-
-def capture_cap(spec: ModelSpec, hw: Hardware, traits: VersionTraits) -> int:
-    """vLLM's largest CUDA-graph capture size: 512, or 1024 on data-center Blackwell
-    (config/vllm.py _set_cudagraph_sizes) and for gpt-oss (GptOssForCausalLMConfig)."""
-    if spec.architecture == "gpt_oss" or (is_blackwell(hw)
-                                           and traits.has("blackwell_capture_1024")):
-        return 1024
-    return 512
-
-
-def concurrent_batches(hw: Hardware, layout: B.Layout, traits: VersionTraits) -> int:
-    """Batches scheduled but not yet settled (VllmConfig.max_concurrent_batches): two with
-    async scheduling, which vLLM turns on by default for one pipeline stage with the mp
-    executor vlaunch uses (config/vllm.py); the pipeline depth otherwise. The CPU platform
-    turns async scheduling off (platforms/cpu.py check_and_update_config): one batch."""
-    if hw.is_cpu:
-        return 1
-    if layout.pp == 1 and traits.has("async_scheduling"):
-        return 2
-    return layout.pp
-
-
-def state_pages(traits: VersionTraits) -> int:
-    """State pages a request holds: prefix caching (on by default) puts Mamba-style layers in
-    "align" mode, two pages (MambaModelConfig, MambaSpec.max_memory_usage_bytes)."""
-    return 2 if traits.has("mamba_prefix_caching") else 1
-
-
-def evaluate(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_dtype: str, util: float,
-             traits: VersionTraits, pins: Pins, chunked: bool) -> Candidate:
-    """Run the budget model for one layout; the result says whether and how well it fits."""
-    block = pins.block_size or block_size(hw, spec.attention, kv_dtype)[0]
-    world = layout.tp * layout.pp
-    d_tokens, d_seqs = batch_defaults(hw, world, traits.version)
-    seqs = pins.max_num_seqs or d_seqs
-    stages = B.pp_stages(spec.num_layers, layout.pp)
-    pool, layer_specs = B.kv_pool(spec, kv_dtype, layout.tp, block, **cache_options(
-        spec, hw, traits))
-    block = pool.block  # a state layer may have grown it (Platform._align_hybrid_block_size)
-    limiting = max(stages, key=len)
-    per_token = K.context_bytes_per_token([layer_specs[i] for i in limiting])
-    scale = B.checkpoint_scale(spec)
-    weights = [round(w * scale) for w in B.stage_weight_bytes(spec, layout)]
-    full = spec.max_context
-    target = pins.max_model_len or full
-
-    tokens_cap = pins.max_num_batched_tokens or min(d_tokens, seqs * target)
-    if not chunked:  # vLLM requires a whole max-length prompt per step without chunking
-        tokens_cap = max(tokens_cap, target)
-    demand = K.Demand(target, tokens_cap * concurrent_batches(hw, layout, traits),
-                      state_pages(traits))
-    profile_tokens = tokens_cap if chunked else max(tokens_cap, target)
-    activation = B.activation_bytes(spec, layout, profile_tokens, seqs,
-                                    sampler_sorts=not traits.has("sampler_no_sort"),
-                                    moe_all_dp_tokens=True)
-    eager = pins.enforce_eager or hw.is_cpu
-    cudagraph = (B.cudagraph_bytes(spec, layout, seqs, tokens_cap, eager,
-                                   full_and_piecewise=traits.has("full_and_piecewise"),
-                                   cap=capture_cap(spec, hw, traits))
-                 if traits.has("cudagraph_estimate") else 0)
-    non_torch = 0 if hw.is_cpu else B.non_torch_bytes(layout,
-                                                       traits.has("nccl_before_snapshot"))
-    block_bytes = [pool.bytes_per_block(r if len(stages) > 1 else None) for r in stages]
-
-    pinned = pins.kv_cache_memory_bytes
-    if hw.is_cpu:
-        requested = B.requested_bytes(hw.free_bytes, util)
-        budget = requested - max(weights) - B.CPU_NON_KV_MARGIN
-        # never more than the batch can use: every sequence at full length, and the null block
-        want = (seqs * pool.blocks_per_request(demand) + 1) * max(block_bytes)
-        avail = [pinned if pinned else min(budget, want)]
-        activation = cudagraph = 0
-    else:
-        requested = B.requested_bytes(hw.budget_total, util)
-        overhead = activation + cudagraph + non_torch
-        avail = [pinned if pinned else requested - w - overhead for w in weights]
-    if len(avail) == 1 and len(stages) > 1:
-        avail = avail * len(stages)
-    blocks = min(B.kv_blocks(a, bb) for a, bb in zip(avail, block_bytes, strict=True))
-    kv_memory = blocks * max(block_bytes)
-    on_stage = [r if len(stages) > 1 else None for r in stages]
-    longest = min(K.longest_fitting(pool, a, demand, full, r)
-                  for a, r in zip(avail, on_stage, strict=True)) if min(avail) > 0 else 0
-    length = pins.max_model_len or longest
-    cap = K.capacity(pool, blocks, K.Demand(length, demand.in_flight, demand.state_pages))
-    tokens = cap.tokens
-    problem = ""
-    runs, why = attention_support(hw, spec.attention)
-    if runs:
-        runs, why = head_size_support(hw, spec.attention, spec.head_dim)
-    if not runs:
-        problem = why
-    elif min(avail) <= 0:
-        short = -min(avail)
-        problem = (f"weights {max(weights) / GiB:.1f} GiB + overhead "
-                   f"{(activation + cudagraph + non_torch) / GiB:.1f} GiB exceed the "
-                   f"{requested / GiB:.1f} GiB vLLM may use per GPU by {short / GiB:.1f} GiB")
-    elif longest < length:
-        problem = (f"KV cache holds {longest:,} tokens for one request, less than one "
-                   f"{length:,}-token request")
-    elif not pins.max_model_len and length < min(MIN_CONTEXT, full):
-        problem = f"only {longest:,} tokens of KV cache: below the {MIN_CONTEXT:,}-token minimum"
-    seqs_final = pins.max_num_seqs or seqs
-    if not problem and tokens_cap < seqs_final:
-        problem = (f"max-num-batched-tokens {tokens_cap:,} is below max-num-seqs "
-                   f"{seqs_final:,}: vLLM refuses that (SchedulerConfig)")
-    stage_info = [{"layers": len(r), "weights_bytes": w, "kv_cache_bytes": blocks * bb}
-                  for r, w, bb in zip(stages, weights, block_bytes, strict=True)]
-    cache = {"kinds": pool.kinds(), "groups": len(pool.groups),
-             "blocks_per_request": cap.blocks_per_request, "block_bytes": max(block_bytes),
-             "engine_concurrency": cap.concurrency}
-    return Candidate(layout, kv_dtype, block, util, requested, max(weights), activation,
-                     cudagraph, non_torch, kv_memory, per_token, blocks, tokens, length,
-                     seqs_final, tokens_cap, not problem, problem, stage_info, cache,
-                     tuple(layer_specs), demand)
-
-
-def _rank(c: Candidate) -> tuple:
-    """Memory objective: fits; then context; then concurrent sequences; then fewer stages."""
-    return (c.fits, c.max_model_len if c.fits else -c.weights, round(c.concurrency, 1),
-            -c.layout.pp, -c.layout.dp, c.layout.tp)
-
-
-def _speed_rank(c: Candidate, a: Any, objective: str, gpus: int) -> tuple:
-    """Fits and context first (a plan never trades the target context for speed), then the
-    objective's figure from the performance model, then the memory ranking."""
-    score = a.score(objective, gpus) if a is not None else float("-inf")
-    return (c.fits, c.max_model_len if c.fits else -c.weights, score, *_rank(c)[2:])
-
-
 def _kv_choices(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
                 reasons: list[str], warnings: list[str]) -> tuple[list[str], str]:
     """KV dtypes worth evaluating, and why fp8 is or is not among them."""
@@ -585,14 +275,26 @@ def _kv_choices(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
     return ["auto"], why
 
 
+def _check_request(spec: ModelSpec, pins: Pins, workload: Workload) -> None:
+    """A request longer than the context can never be served: refuse it, naming both."""
+    need = workload.input_len + workload.output_len
+    ctx = pins.max_model_len or spec.max_context
+    if need > ctx and not workload.assumed:
+        where = "the pinned --max-model-len" if pins.max_model_len else f"{spec.name}'s context"
+        raise InputError(f"one request of {workload.input_len:,} prompt + "
+                         f"{workload.output_len:,} answer tokens = {need:,} tokens is longer than "
+                         f"{where} of {ctx:,} tokens; shorten --input-len/--output-len"
+                         + ("" if pins.max_model_len else " or plan another model"))
+
+
 def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
               suggest: bool = True, *, workload: Workload | None = None,
               objective: str | None = None, slo: SLO | None = None,
               concurrency: int | None = None) -> Plan:
     """Plan a deployment of `spec` on `hw` honouring `pins`, for `workload` under `slo`, ranked
-    by `objective`; never raises for a misfit."""
-    from . import perfplan
-
+    by `objective`; never raises for a misfit. The composer: the search judges every candidate
+    (predict/search.py), the best one becomes the plan, its assessment is the plan's single
+    prediction, and every reason is read from the judged candidates."""
     pins = pins or Pins()
     pins.validate()
     workload = workload or resolve_workload()
@@ -622,6 +324,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
         raise InputError(f"--max-model-len {pins.max_model_len:,} exceeds {spec.name}'s context "
                          f"of {spec.max_context:,} tokens (vLLM refuses it without "
                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
+    _check_request(spec, pins, workload)
     scale = B.checkpoint_scale(spec)
     if abs(scale - 1) > 0.01:
         warnings.append(f"the checkpoint index holds {spec.checkpoint_bytes / GiB:.2f} GiB but "
@@ -630,171 +333,174 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     util = _utilization(hw, pins, traits, warnings, reasons)
     dtypes, fp8_why = _kv_choices(spec, hw, pins, version, reasons, warnings)
     chunked = not (hw.is_cpu and spec.attention.startswith("mla")) and traits.engine == "v1"
-    gpus = hw.count
-    assessed: dict[int, Any] = {}
-    best_by_dtype: dict[str, list[Candidate]] = {}
-    for dtype in dtypes:
-        cands = [evaluate(spec, hw, L, dtype, util, traits, pins, chunked)
-                 for L in layouts(spec, hw, pins, traits)]
-        if not cands:
-            raise InputError(f"no parallel layout of {spec.name} matches {hw.describe()} with "
-                             "the pinned --tp/--pp/--dp")
-        for c in cands:
-            assessed[id(c)] = perfplan.assess(spec, hw, c, traits, chunked, workload, slo,
-                                              concurrency)
-        cands.sort(key=lambda c: _speed_rank(c, assessed[id(c)], objective, gpus), reverse=True)
-        best_by_dtype[dtype] = cands
-    kv_dtype = _decide_kv(best_by_dtype, assessed, objective, gpus, fp8_why, reasons, warnings,
-                          pinned=bool(pins.kv_cache_dtype))
-    cands = best_by_dtype[kv_dtype]
-    best = cands[0]
-    best = _tune_batch(spec, hw, best, assessed, traits, pins, chunked, util, workload, slo,
-                       objective, concurrency, reasons)
-    pinned = ((hw.is_cpu and traits.has("kv_cache_memory_bytes"))
-              or bool(pins.kv_cache_memory_bytes) or (pins.pin_kv_memory and best.fits))
-    plan = Plan(spec, hw, best, version, chunked, pinned, reasons, warnings,
-                alternatives=cands[1:6], enforce_eager=pins.enforce_eager,
-                performance=assessed.get(id(best)), assessments=assessed, objective=objective,
-                workload=workload, slo=slo)
-    plan.why_not = {id(c): _why_not(c, assessed.get(id(c)), best, assessed.get(id(best)),
-                                     objective) for c in cands[1:6]}
+    static_pin = ((hw.is_cpu and traits.has("kv_cache_memory_bytes"))
+                  or bool(pins.kv_cache_memory_bytes))
+    mtp = serving.draft_choices(spec, hw, pins, version)
+    goal = search.Goal(spec, hw, pins, traits, util, workload, slo, objective, concurrency,
+                       chunked, static_pin, dtypes, mtp.drafts, mtp.acceptance, mtp.pinned_on)
+    res = search.search(goal)
+    if res.judged:
+        best = res.judged[0]
+    elif res.misfits:
+        best = res.misfits[0]
+    else:
+        raise InputError(f"no parallel layout of {spec.name} matches {hw.describe()} with "
+                         "the pinned --tp/--pp/--dp")
+    pinned = static_pin or (pins.pin_kv_memory and best.fits)
+    runner_ups = [search.finish(goal, j) for j in _runner_ups(res, best)]
+    search.finish(goal, best)
+    plan = Plan(spec, hw, best.cand, version, chunked, pinned, reasons, warnings,
+                alternatives=[j.cand for j in runner_ups], enforce_eager=pins.enforce_eager,
+                performance=best.perf, objective=objective, workload=workload, slo=slo,
+                concurrency=concurrency, judged=res.count, timed=res.timed)
+    plan.assessments = {id(j.cand): j.perf for j in [best, *runner_ups]}
+    plan.why_not = {id(j.cand): rank.lost_on(j, best, objective) for j in runner_ups}
+    plan.drafts = {id(j.cand): j.knobs.draft for j in runner_ups}
     if pins.pin_kv_memory and not hw.is_cpu:
         warnings.append("--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "
                         "memory profiling; only the plan's margins for activations, graphs and "
                         "non-torch memory protect the start-up")
-    from . import serving
-
-    plan.serving = serving.apply(plan, pins, concurrency)
+    if best.fits:
+        _kv_reason(goal, res, best, fp8_why, reasons, warnings)
+        _batch_reasons(goal, res, best, reasons)
+    plan.serving = serving.apply(plan, pins, goal, res, best, mtp)
+    plan.judged, plan.timed = goal.counts
     if not pinned and plan.chosen.fits:  # keyed by the final flags, serving ones included
         _apply_measured(plan)
-    _explain(plan, cands, pins)
-    _explain_speed(plan, cands, pins)
+    _explain(plan, pins)
+    _explain_speed(plan)
     if suggest and not best.fits:
         plan.suggestions = suggestions(spec, hw, pins)
     return plan
 
 
-def _decide_kv(by_dtype: dict[str, list[Candidate]], assessed: dict[int, Any], objective: str,
-               gpus: int, fp8_why: str, reasons: list[str], warnings: list[str],
-               pinned: bool) -> str:
-    """fp8 KV when bf16 cannot hold the target context, or when it raises the objective's
-    figure by FP8_MARGIN; otherwise auto, with the numbers."""
-    if pinned or len(by_dtype) == 1:
-        return next(iter(by_dtype))
-    auto, fp8 = by_dtype["auto"][0], by_dtype["fp8"][0]
-    a_auto, a_fp8 = assessed.get(id(auto)), assessed.get(id(fp8))
+def _runner_ups(res: Any, best: Any, n: int = 5) -> list[Any]:
+    """The best version of every other layout (fitting ones first, then misfits)."""
+    seen = {best.knobs.layout}
+    out = []
+    for j in [*res.judged, *res.fitting, *res.misfits]:
+        if j.knobs.layout not in seen:
+            seen.add(j.knobs.layout)
+            out.append(j)
+    return out[:n]
+
+
+def _kv_reason(goal: Any, res: Any, best: Any, fp8_why: str, reasons: list[str],
+               warnings: list[str]) -> None:
+    """Why this KV dtype, against the best candidate with the other one."""
+    if goal.pins.kv_cache_dtype or len(goal.dtypes) == 1:
+        return
+    mine = best.knobs.kv_dtype
+    cond = ""
+    other = max((j for j in res.judged if j.knobs.kv_dtype != mine), key=lambda j: j.value,
+                default=None) or next((j for j in res.fitting if j.knobs.kv_dtype != mine), None)
+    if other is not None and other.knobs.draft != best.knobs.draft:
+        # the same conditions: the best of each dtype with the same draft (none if need be)
+        same = [j for j in res.judged if j.knobs.draft == best.knobs.draft]
+        if not any(j.knobs.kv_dtype != mine for j in same):
+            same = [j for j in res.judged if j.knobs.draft == 0]
+        mine_j = max((j for j in same if j.knobs.kv_dtype == mine), key=lambda j: j.value,
+                     default=None)
+        other_j = max((j for j in same if j.knobs.kv_dtype != mine), key=lambda j: j.value,
+                      default=None)
+        if mine_j is not None and other_j is not None:
+            best, other = mine_j, other_j
+            cond = "" if best.knobs.draft else " (both without MTP)"
     accuracy = ("fp8 KV without calibrated scales (k/v scale 1.0) can cost accuracy; "
                 "check your evals or pin --kv-cache-dtype auto")
-    if fp8.fits and (not auto.fits or fp8.max_model_len > auto.max_model_len):
-        reasons.append("kv-cache-dtype fp8: needed - bf16 KV holds "
-                       + (f"only {auto.max_model_len:,} tokens of context" if auto.fits
-                          else "no whole request") + f" ({fp8_why})")
-        warnings.append(accuracy)
-        return "fp8"
-    if a_auto is not None and a_fp8 is not None and auto.fits:
-        s_auto, s_fp8 = a_auto.score(objective, gpus), a_fp8.score(objective, gpus)
-        gain = (s_fp8 - s_auto) / abs(s_auto) if s_auto else 0.0
-        if gain >= FP8_MARGIN:
-            reasons.append(f"kv-cache-dtype fp8: {a_fp8.figure(objective)} vs "
-                           f"{a_auto.figure(objective)} with bf16 ({gain:+.0%}, over the "
-                           f"{FP8_MARGIN:.0%} margin)")
+    o_name = "bf16" if mine == "fp8" else "fp8"
+    if other is None or min(other.cand.max_model_len, best.cand.max_model_len) \
+            < best.cand.max_model_len:
+        held = (f"holds only {other.cand.max_model_len:,} tokens of context" if other
+                else "holds no whole request")
+        reasons.append(f"kv-cache-dtype {mine}: {o_name} KV {held} ({fp8_why})"
+                       if mine == "fp8" else f"kv-cache-dtype auto: fp8 KV {held}")
+        if mine == "fp8":
             warnings.append(accuracy)
-            return "fp8"
-        reasons.append(f"kv-cache-dtype auto: bf16 KV already holds the workload; fp8 would "
-                       f"change the objective's figure by {gain:+.0%} (under the "
-                       f"{FP8_MARGIN:.0%} margin that would justify its accuracy risk)")
-        return "auto"
-    reasons.append("kv-cache-dtype auto: bf16 KV holds the context; no speed figure to "
-                   "justify fp8 on this GPU")
-    return "auto"
+        return
+    a, b = best.perf, other.perf
+    if a is None or b is None:
+        reasons.append(f"kv-cache-dtype {mine}: no speed figure to justify fp8 on this GPU")
+        return
+    s_a, s_b = a.score(goal.objective, goal.hw.count), b.score(goal.objective, goal.hw.count)
+    if mine == "fp8":
+        gain = (s_a - s_b) / abs(s_b) if s_b else 0.0
+        reasons.append(f"kv-cache-dtype fp8: {rank.headline(a, goal.objective)} vs "
+                       f"{rank.headline(b, goal.objective)} with bf16 KV{cond} ({gain:+.0%}, "
+                       "over the "
+                       f"{FP8_MARGIN:.0%} margin for its accuracy risk)")
+        warnings.append(accuracy)
+    else:
+        gain = (s_b - s_a) / abs(s_a) if s_a else 0.0
+        mtp = f", MTP {other.knobs.draft}" if other.knobs.draft else ""
+        reasons.append(f"kv-cache-dtype auto: bf16 KV already holds the context; fp8 KV's best "
+                       f"({other.cand.label()}{mtp}){cond} would change "
+                       f"the objective's figure by {gain:+.0%} (under the {FP8_MARGIN:.0%} "
+                       "margin that would justify its accuracy risk)")
 
 
-def _tune_batch(spec: ModelSpec, hw: Hardware, best: Candidate, assessed: dict[int, Any],
-                traits: VersionTraits, pins: Pins, chunked: bool, util: float,
-                workload: Workload, slo: SLO, objective: str, concurrency: int | None,
-                reasons: list[str]) -> Candidate:
-    """max_num_seqs from the SLO knee, max_num_batched_tokens from the prefill/decode
-    trade-off; re-checked by the budget model (both change the activation profile)."""
-    from . import perfplan
-
-    a = assessed.get(id(best))
-    if a is None or not best.fits or hw.is_cpu:
-        return best
-    seqs = pins.max_num_seqs
-    notes = []
-    if seqs is None and objective in ("balanced", "latency"):
-        k = perfplan.knee_seqs(a)
-        if k is not None and k < best.max_num_seqs:
-            over = perf_point_note(a, best.max_num_seqs, workload)
-            seqs = k
-            notes.append(f"max-num-seqs {k:,} per engine: the SLO knee ({slo.describe()} holds "
-                         f"up to {a.knee.concurrency:,.0f} in flight); vLLM's "
-                         f"{best.max_num_seqs:,} would let {over}")
-    tokens = pins.max_num_batched_tokens
-    if tokens is None and chunked:
-        tokens, why = perfplan.choose_chunk(a, slo, best.max_num_batched_tokens)
-        need = seqs or best.max_num_seqs
-        if tokens < need:  # vLLM requires max_num_batched_tokens >= max_num_seqs
-            tokens = need
-            why += f", raised to max-num-seqs {need:,} (vLLM requires at least that)"
-        notes.append(why)
-    if seqs is None and (tokens is None or tokens == best.max_num_batched_tokens):
-        reasons.extend(notes)
-        return best
-    tuned_pins = dataclasses.replace(pins, max_num_seqs=seqs or pins.max_num_seqs,
-                                     max_num_batched_tokens=tokens or pins.max_num_batched_tokens)
-    tuned = evaluate(spec, hw, best.layout, best.kv_dtype, util, traits, tuned_pins, chunked)
-    if not tuned.fits or tuned.max_model_len < best.max_model_len:
-        return best
-    ta = perfplan.assess(spec, hw, tuned, traits, chunked, workload, slo, concurrency)
-    if ta is not None and seqs != pins.max_num_seqs and a.knee is not None:
-        # The cap sits at the knee: report the service there (beyond it requests queue) and
-        # what bound it before the cap.
-        from . import perf
-
-        ta.knee = perf.point(ta.shape, workload, a.knee.concurrency)
-        if not concurrency:
-            ta.at = ta.knee
-        ta.curve = perf.curve(ta.shape, workload,
-                              tuple(x for x in (a.knee.concurrency, concurrency) if x))
-        ta.binding = a.binding
-    assessed[id(tuned)] = ta
-    reasons.extend(notes)
-    return tuned
+def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
+    """max-num-seqs and max-num-batched-tokens: what the search chose and against what."""
+    k, c, a = best.knobs, best.cand, best.perf
+    p = goal.pins
+    if best.capped_from is not None and a is not None:
+        over = _point_note(goal, best, best.capped_from)
+        reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: this engine's SLO knee; "
+                       f"beyond it requests queue (TTFT grows) instead of slowing every "
+                       f"running one; {best.capped_from:,} would let {over}")
+    elif k.max_num_seqs is not None and p.max_num_seqs is None:
+        reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: vLLM's default batch "
+                       "leaves too little KV memory for the context")
+    if p.max_num_batched_tokens is None and k.chunked and not goal.hw.is_cpu:
+        default = batch_defaults(goal.hw, k.layout.tp * k.layout.pp, goal.traits.version)[0]
+        tokens = c.max_num_batched_tokens
+        if tokens == default:
+            reasons.append(f"max-num-batched-tokens {default:,}: vLLM's default, the best of "
+                           f"the chunk sizes tried ({', '.join(map(str, search.CHUNK_CHOICES))})")
+            return
+        twin = search.memory(goal, dataclasses.replace(
+            k, max_num_batched_tokens=max(default, k.max_num_seqs or 0) or None))
+        if not search.serves(goal, twin):
+            reasons.append(f"max-num-batched-tokens {tokens:,}: at vLLM's default {default:,} "
+                           f"this candidate does not fit ({twin.cand.problem or 'no memory'})")
+            return
+        search.speed(goal, twin, full=False)
+        if a is None or twin.perf is None:
+            return
+        ours, theirs = rank.headline(a, goal.objective), rank.headline(twin.perf, goal.objective)
+        more = (f", {c.tokens - twin.cand.tokens:+,} KV tokens per engine"
+                if c.tokens != twin.cand.tokens else "")
+        reasons.append(f"max-num-batched-tokens {tokens:,}: {ours} vs {theirs} at vLLM's "
+                       f"default {default:,} (same other flags{more})")
 
 
-def perf_point_note(a: Any, seqs: int, workload: Workload) -> str:
-    """What vLLM's own limit would do to latency when that many requests arrive."""
+def _point_note(goal: Any, j: Any, seqs: int) -> str:
+    """What `seqs` running requests per engine would do to the chosen engine's latency."""
     from . import perf
 
+    a = j.perf
     n = seqs * a.shape.dp
-    p = perf.point(a.shape, workload, n)
+    shape = dataclasses.replace(a.shape, max_num_seqs=max(a.shape.max_num_seqs, seqs))
+    p = perf.point(shape, goal.workload, n)
     return f"TPOT reach {p.tpot_ms:.0f} ms and TTFT {p.ttft_ms:,.0f} ms at {n:,} in flight"
 
 
-def _why_not(c: Candidate, a: Any, best: Candidate, a_best: Any, objective: str) -> str:
-    if not c.fits:
-        return c.problem
-    if c.max_model_len < best.max_model_len:
-        return f"holds only {c.max_model_len:,} tokens of context"
-    if a is None or a_best is None:
-        return f"fewer concurrent sequences ({c.concurrency:.1f})"
-    return f"{a.figure(objective)}; chosen: {a_best.headline(objective)}"
-
-
-def _explain_speed(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
+def _explain_speed(plan: Plan) -> None:
     a, w = plan.performance, plan.workload
     r = plan.reasons
     if w is not None:
         r.insert(0, f"workload: {w.describe()}; objective {plan.objective}; SLO "
                  f"{plan.slo.describe() if plan.slo else '-'}")
+    r.insert(1, f"searched {plan.judged:,} candidates (layout x KV dtype x batch limits x "
+             f"drafts) for memory, timed the {plan.timed:,} that fit and hold the context")
     if a is None:
         if plan.fits:
             r.append("no performance prediction: the GPU catalog has no bandwidth/FLOPS for "
                      f"{plan.hardware.kind.name}; layouts ranked by memory alone")
         return
-    r.insert(1, f"predicted ({a.source}): {a.figure(plan.objective)}; binding: {a.binding}")
+    r.insert(2, f"predicted ({a.source}): {rank.figure(a, plan.objective)}; binding: {a.binding}")
     r.extend(a.notes)
+
 
 
 def _apply_measured(plan: Plan) -> None:
@@ -822,14 +528,14 @@ def _apply_measured(plan: Plan) -> None:
                         f"{predicted / GiB:.2f} GiB")
 
 
-def _explain(plan: Plan, cands: list[Candidate], pins: Pins) -> None:
+def _explain(plan: Plan, pins: Pins) -> None:
     c, spec = plan.chosen, plan.model
     r = plan.reasons
     if c.fits:
         r.insert(0, f"layout {c.label()}: {c.summary().split(': ', 1)[1]}"
                  + (" (pinned)" if pins.tp or pins.pp or pins.dp else ""))
         if plan.performance is None:  # with a performance model the runner-ups are listed there
-            for other in cands[1:4]:
+            for other in plan.alternatives[:3]:
                 r.append(f"not {other.summary()}")
     if pins.max_model_len:
         r.append(f"max-model-len {c.max_model_len:,}: pinned by you")
@@ -956,3 +662,4 @@ def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
     if not out:
         out.append("nothing close fits this hardware; try a larger GPU class")
     return out
+

@@ -1,11 +1,11 @@
-"""The serving post-pass: parsers, the EP all-to-all backend and MTP, decided on a chosen plan.
+"""The serving features of a plan: parsers, the EP all-to-all backend and MTP.
 
-The planner picks the layout, KV dtype and batch limits first; these three decisions then take
-the plan as it is (`make_plan` calls `apply` once, after its own choices): the parsers change
-no memory, the all-to-all backend's buffers and MTP's draft take theirs from the KV cache of
-the chosen candidate (`rebudget`), and MTP is decided last, on the memory left, against the
-performance model's prediction of that candidate. Each decision adds its reason, with its
-numbers, to the plan's reasons, its flags to `vllm_args` and its environment to `env`.
+The parsers change no memory and are decided here on the chosen plan. The all-to-all backend
+and MTP's draft change memory and speed, so the search judges them inside every candidate
+(`search.memory` takes their buffers and the draft from the KV cache); this module says which
+drafts the search tries (`draft_choices`) and, once the search has ranked its candidates, turns
+the chosen one's backend and draft into flags and reasons with the figures of the judged
+candidates - MTP's benefit at equal load and, separately, at the SLO knee.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InputError
 from ..inputs.hardware import GiB
-from . import ep_backend, serving_flags, speculative
-from .rebudget import rebudget
+from . import ep_backend, perf, rank, search, serving_flags, speculative
 
 
 @dataclass
@@ -36,9 +36,41 @@ class Serving:
                 "ep_backend": self.ep.to_dict()}
 
 
-def apply(plan: Any, pins: Any, concurrency: int | None = None) -> Serving:
-    """Decide the three features for `plan` (mutating its chosen candidate, performance,
-    reasons and warnings) and return them."""
+@dataclass
+class DraftChoices:
+    """The draft counts the search tries, and how MTP stands before any candidate is judged."""
+
+    drafts: list[int]
+    acceptance: speculative.Acceptance | None = None
+    method: str = ""
+    pinned_on: bool = False
+    pinned_off: bool = False
+    unsupported: str = ""
+
+
+def draft_choices(spec: Any, hw: Any, pins: Any, version: str) -> DraftChoices:
+    """0 (no MTP) and the table's draft counts, unless a pin or the platform decides."""
+    want = getattr(pins, "speculative", None)
+    k_pin = getattr(pins, "num_speculative_tokens", None)
+    if k_pin is not None and k_pin < 1:
+        raise InputError(f"--num-speculative-tokens must be at least 1, got {k_pin}")
+    if k_pin is not None and want is False:
+        raise InputError("--no-mtp and --num-speculative-tokens contradict each other; "
+                         "drop one")
+    pinned_on = want is True or k_pin is not None
+    ok, why, method = speculative.support(spec, hw, version)
+    if not ok:
+        return DraftChoices([0], pinned_on=pinned_on, unsupported=why)
+    if want is False:
+        return DraftChoices([0], method=method, pinned_off=True)
+    acc = speculative.acceptance(getattr(pins, "mtp_acceptance", None), spec.name)
+    ks = [k_pin] if k_pin else [int(x) for x in speculative.mtp_table()["candidates"]]
+    return DraftChoices(ks if pinned_on else [0, *ks], acc, method, pinned_on)
+
+
+def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Serving:
+    """The chosen candidate's serving features as flags and reasons (mutates the plan's
+    reasons and warnings)."""
     s = Serving()
     s.parsers = serving_flags.decide(plan.model, plan.vllm_version,
                                      getattr(pins, "reasoning_parser", None),
@@ -46,49 +78,117 @@ def apply(plan: Any, pins: Any, concurrency: int | None = None) -> Serving:
                                      getattr(pins, "chat_template", None))
     plan.reasons.extend(s.parsers.reasons)
     plan.warnings.extend(s.parsers.warnings)
-    c = plan.chosen
-    if c.fits:
-        s.ep = ep_backend.choose(plan.model, plan.hardware, c.layout, plan.objective,
-                                 plan.workload, plan.vllm_version,
-                                 getattr(pins, "all2all_backend", None))
-        _apply_ep(plan, s.ep, concurrency, getattr(pins, "kv_cache_memory_bytes", None))
+    if best.fits:
+        s.ep = dataclasses.replace(best.ep)
+        if s.ep.applies and best.ep_note:
+            s.ep.reason += (f"; but then {best.ep_note}: keeping vLLM's default {s.ep.default} "
+                            "instead")
+            s.ep.backend, s.ep.buffer_bytes, s.ep.cuda_graphs, s.ep.kubernetes = (
+                s.ep.default, 0, True, {})
+        elif s.ep.applies and s.ep.buffer_bytes:
+            s.ep.reason += f" ({s.ep.buffer_bytes / GiB:.2f} GiB of buffers per GPU, taken " \
+                           "from the KV cache)"
         if s.ep.reason:
             plan.reasons.append(s.ep.reason)
-    s.mtp = speculative.decide(plan, pins, concurrency)
+    s.mtp = decision(plan, goal, res, best, mtp)
     if s.mtp.reason:
         plan.reasons.append(s.mtp.reason)
     return s
 
 
-def _apply_ep(plan: Any, ep: ep_backend.Choice, concurrency: int | None,
-              pinned_bytes: int | None) -> None:
-    """Take DeepEP's buffers from the KV cache (and give back the CUDA graphs it turns off);
-    a pinned backend whose package is missing makes the plan not startable."""
-    c = plan.chosen
-    if ep.applies and ep.backend is None:
-        c.fits = False
-        c.problem = ep.reason
-        return
-    if not ep.applies or (not ep.buffer_bytes and ep.cuda_graphs):
-        return
-    new = rebudget(plan.model, c, plan.kv_pinned, d_non_torch=ep.buffer_bytes,
-                   d_cudagraph=0 if ep.cuda_graphs else -c.cudagraph, pinned_bytes=pinned_bytes)
-    if not new.fits:
-        ep.reason += (f"; but then {new.problem}: keeping vLLM's default {ep.default} "
-                      "instead")
-        ep.backend, ep.buffer_bytes, ep.cuda_graphs, ep.kubernetes = ep.default, 0, True, {}
-        return
-    ep.reason += f" (KV {c.tokens:,} -> {new.tokens:,} tokens per engine)"
-    if ep.buffer_bytes and not ep.cuda_graphs:
-        ep.reason += f"; graphs returned {c.cudagraph / GiB:.2f} GiB"
-    plan.chosen = new
-    a = plan.performance
-    if a is not None and plan.workload is not None:
-        shape = dataclasses.replace(a.shape, kv_tokens=new.tokens)
-        na = speculative.reassess(a, shape, plan.workload, plan.slo, concurrency)
-        na.candidate = new
-        plan.performance = na
-        plan.assessments[id(new)] = na
+def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
+             ) -> speculative.Decision:
+    """MTP as the search decided it, with the figures that decided it."""
+    d = speculative.Decision(method=mtp.method, pinned=mtp.pinned_on or mtp.pinned_off,
+                             acceptance=mtp.acceptance)
+    if mtp.unsupported:
+        d.reason = f"MTP off: {mtp.unsupported}"
+        if mtp.pinned_on:
+            plan.warnings.append(f"MTP was asked for but is not possible: {mtp.unsupported}")
+        return d
+    if mtp.pinned_off:
+        d.reason = "MTP off: pinned by you (--no-mtp)"
+        return d
+    if not best.fits:
+        d.reason = ("MTP off: no candidate fits" if not mtp.pinned_on else
+                    "MTP off: no candidate with the draft fits (pinned on by you)")
+        if mtp.pinned_on:
+            plan.warnings.append(d.reason)
+        return d
+    for k in mtp.drafts:
+        j = max((x for x in res.judged if x.knobs.draft == k), key=lambda x: x.value,
+                default=None)
+        note: dict[str, Any] = {"num_speculative_tokens": k, "fits": j is not None}
+        if k and mtp.acceptance is not None:
+            note["tokens_per_step"] = round(mtp.acceptance.tokens_per_step(k), 3)
+        if j is not None:
+            note["kv_tokens"] = j.cand.tokens
+            note["layout"] = j.cand.label()
+            if j.perf is not None:
+                note["figure"] = rank.figure(j.perf, goal.objective)
+        d.options.append(note)
+    k = best.knobs.draft
+    offs = [x for x in res.judged if x.knobs.draft == 0]
+    ons = [x for x in res.judged if x.knobs.draft]
+    off = max(offs, key=lambda x: x.value, default=None)
+    on = best if k else max(ons, key=lambda x: x.value, default=None)
+    if not k:
+        if on is None or on.perf is None or best.perf is None:
+            d.reason = ("MTP off: no performance prediction on this hardware to show a gain; "
+                        "pin --mtp to use it" if best.perf is None else
+                        "MTP off: no candidate with the draft holds the context")
+            return d
+        search.finish(goal, on)
+        gain = _gain(goal, on.perf, best.perf)
+        margin = float(speculative.mtp_table()["margin"])
+        what = ("verifying the drafts costs more than they save" if gain < 0
+                else "too little gain for its memory")
+        d.reason = (f"MTP off: its best ({on.knobs.draft} draft token(s), {on.cand.label()}): "
+                    f"{rank.headline(on.perf, goal.objective)} vs "
+                    f"{rank.headline(best.perf, goal.objective)} "
+                    f"without ({gain:+.0%}); under the {margin:.0%} margin ({what})")
+        return d
+    d.enabled, d.k, d.cost = True, k, best.mtp
+    acc = mtp.acceptance
+    head = (f"MTP on ({'pinned by you' if mtp.pinned_on else f'objective {goal.objective}'}): "
+            f"{k} draft token(s), {acc.tokens_per_step(k):.2f} tokens per step at acceptance "
+            f"{acc.first:.2f}/{acc.later:.2f}; cost {speculative.describe_cost(best.mtp)}")
+    if best.perf is None:
+        d.reason = head
+        return d
+    twin = _no_draft_twin(goal, best)
+    parts = [head]
+    if twin is not None and twin.perf is not None:
+        a = best.perf
+        n = a.knee.concurrency if a.knee else 1
+        on_d = (a.knee or a.single).to_dict()  # the plan's own point: the JSON's figures
+        off_d = perf.point(twin.perf.shape, goal.workload, n).to_dict()
+        d.equal_load = {"concurrency": on_d["concurrency"], "with": on_d, "without": off_d}
+        parts.append(f"at equal load ({n:,.0f} in flight, same flags without the draft): "
+                     f"TPOT {on_d['tpot_ms']:.1f} vs {off_d['tpot_ms']:.1f} ms, "
+                     f"{on_d['output_tokens_per_s']:,.0f} vs {off_d['output_tokens_per_s']:,.0f} "
+                     "output tok/s")
+    if off is not None and off.perf is not None:
+        search.finish(goal, off)
+        gain = _gain(goal, best.perf, off.perf)
+        parts.append(f"at the SLO knee: {rank.headline(best.perf, goal.objective)} vs "
+                     f"{rank.headline(off.perf, goal.objective)} for the best plan without MTP "
+                     f"({off.cand.label()}, {gain:+.0%})")
+    parts.append("model only: no published vLLM MTP measurement checks this speed-up and the "
+                 "acceptance is a default (vlaunch tune measures both)")
+    d.reason = "; ".join(parts)
+    return d
+
+
+def _gain(goal: Any, a: Any, b: Any) -> float:
+    sa, sb = a.score(goal.objective, goal.hw.count), b.score(goal.objective, goal.hw.count)
+    return (sa - sb) / abs(sb) if sb else 0.0
+
+
+def _no_draft_twin(goal: Any, j: Any) -> Any:
+    """The chosen candidate's exact flags without the draft, judged (for equal-load figures)."""
+    twin = search.memory(goal, dataclasses.replace(j.knobs, draft=0))
+    return search.speed(goal, twin, full=False) if twin.fits else None
 
 
 def pins_from_plan(d: dict[str, Any]) -> dict[str, Any]:

@@ -49,7 +49,6 @@ from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
 from . import budget as B
-from . import perf
 from .mtp import Acceptance, draft_shape, speculative_shape  # noqa: F401 - re-exported
 from .rebudget import rebudget
 from .serving_flags import at_least, table
@@ -79,7 +78,8 @@ def acceptance(pinned: float | None = None, model: str | None = None) -> Accepta
     seen = measured_for(model) if model else None
     if seen is not None:
         return Acceptance(seen["first"], seen.get("later", min(later, seen["first"])),
-                          f"measured by vlaunch tune ({seen.get('recorded_at', '?')}, "
+                          f"measured by vlaunch tune on {seen['source']} "
+                          f"({seen.get('recorded_at', '?')}, "
                           f"acceptance length {seen.get('acceptance_length', 0):.2f})")
     return Acceptance(first, later, f"{t['first_source']}; later drafts: {t['later_source']}")
 
@@ -88,13 +88,15 @@ def _acceptance_store() -> Path:
     return cache_dir() / "mtp_acceptance.json"
 
 
-def record_acceptance(model: str, measured: dict[str, float]) -> Path | None:
+def record_acceptance(model: str, measured: dict[str, Any], *, source: str) -> Path | None:
     """Keep what vLLM's benchmark measured for a model's MTP draft, for its next plans: the
-    acceptance belongs to the model and its workload, not to the GPU or layout."""
-    if not (0 < float(measured.get("first", 0)) <= 1):
+    acceptance belongs to the model and its workload, not to the GPU or layout. `source`
+    names the prompts it was measured on (natural text; `run/tune_acceptance.py`)."""
+    if not (0 < float(measured.get("first", 0)) <= 1) or not source:
         return None
-    entry = {k: float(v) for k, v in measured.items() if k in ("first", "later",
-                                                              "acceptance_length")}
+    entry: dict[str, Any] = {k: float(v) for k, v in measured.items()
+                             if k in ("first", "later", "acceptance_length")}
+    entry["source"] = source
     entry["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     def add(data: dict[str, Any]) -> None:
@@ -105,8 +107,12 @@ def record_acceptance(model: str, measured: dict[str, float]) -> Path | None:
 
 def measured_for(model: str) -> dict[str, Any] | None:
     """The recorded acceptance of `model`, if a well-formed one exists (a corrupt cache is
-    reported and ignored)."""
+    reported and ignored). A record without a `source` was measured by an earlier vlaunch on
+    random-token prompts, which inflate acceptance: ignored, not trusted."""
     entry = read_json_object(_acceptance_store()).get(model)
+    if isinstance(entry, dict) and not (isinstance(entry.get("source"), str)
+                                        and entry["source"]):
+        return None
     ok = (isinstance(entry, dict)
           and all(isinstance(entry.get(f), (int, float)) and not isinstance(entry.get(f), bool)
                   and 0 < entry[f] <= 1 for f in ("first",))
@@ -158,11 +164,15 @@ def _mtp_tensors(spec: ModelSpec, layout: B.Layout) -> list[B.Tensor]:
 
 def weight_bytes(spec: ModelSpec, layout: B.Layout) -> int:
     """MTP weights on one GPU of the last pipeline stage (all of them live there), scaled like
-    the rest of the checkpoint (budget.checkpoint_scale)."""
-    total = sum(B.tensor_bytes(t, spec.quant, spec.dtype_bytes)
-                * B.shard_fraction(t, layout, spec.vocab_size)
-                for t in _mtp_tensors(spec, layout))
-    return round(total * B.checkpoint_scale(spec))
+    the rest of the checkpoint (budget.checkpoint_scale). Memoized per layout: the search asks
+    for it once per draft candidate."""
+    def compute() -> int:
+        total = sum(B.tensor_bytes(t, spec.quant, spec.dtype_bytes)
+                    * B.shard_fraction(t, layout, spec.vocab_size)
+                    for t in _mtp_tensors(spec, layout))
+        return round(total * B.checkpoint_scale(spec))
+
+    return B.memo("mtp_weights", spec, layout, compute)
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, layout: B.Layout) -> int:
@@ -254,13 +264,6 @@ def with_draft(spec: ModelSpec, cand: Any, c: Cost, kv_pinned: bool,
 # ----------------------------------------------------------------------------- speed
 
 
-def reassess(a: Any, shape: perf.EngineShape, workload: Any, slo: Any,
-             concurrency: int | None) -> Any:
-    """perfplan.assess's prediction for a changed engine shape (same candidate)."""
-    from .perfplan import assessment_for
-
-    return assessment_for(shape, workload, slo, concurrency, a.source, list(a.notes),
-                          a.candidate)
 
 
 # ----------------------------------------------------------------------------- decision
@@ -275,9 +278,8 @@ class Decision:
     acceptance: Acceptance | None = None
     cost: Cost | None = None
     reason: str = ""
-    figure_on: str = ""
-    figure_off: str = ""
     options: list[dict[str, Any]] = field(default_factory=list)
+    equal_load: dict[str, Any] | None = None  # the chosen flags with and without the draft
 
     @property
     def tokens_per_step(self) -> float:
@@ -299,170 +301,14 @@ class Decision:
                 if a else None,
                 "tokens_per_step": round(self.tokens_per_step, 3) if self.enabled else 1.0,
                 "cost_per_gpu": self.cost.to_dict() if self.cost else None,
-                "reason": self.reason, "options": self.options}
+                "reason": self.reason, "options": self.options,
+                "equal_load": self.equal_load}
 
 
 def describe_cost(c: Cost) -> str:
     return (f"{c.weights_bytes / GiB:.2f} GiB of MTP weights, +{c.kv_bytes_per_token:,} B/token "
             f"of KV, {(c.activation_bytes + c.cudagraph_bytes) / MiB:,.0f} MiB of draft buffers "
             "and graphs per GPU")
-
-
-def decide(plan: Any, pins: Any, concurrency: int | None = None) -> Decision:
-    """Turn MTP on where the objective's figure gains at least the table's margin; a pin
-    (--mtp / --no-mtp / --num-speculative-tokens) wins. Mutates the plan's chosen candidate
-    and performance when MTP is on."""
-    spec, hw, c = plan.model, plan.hardware, plan.chosen
-    want = getattr(pins, "speculative", None)
-    k_pin = getattr(pins, "num_speculative_tokens", None)
-    if k_pin is not None and k_pin < 1:
-        raise InputError(f"--num-speculative-tokens must be at least 1, got {k_pin}")
-    if k_pin is not None and want is False:
-        raise InputError("--no-mtp and --num-speculative-tokens contradict each other; "
-                         "drop one")
-    pinned_on = want is True or k_pin is not None
-    ok, why, method = support(spec, hw, plan.vllm_version)
-    d = Decision(method=method, pinned=want is not None or k_pin is not None)
-    if not ok:
-        d.reason = f"MTP off: {why}"
-        if pinned_on:
-            plan.warnings.append(f"MTP was asked for but is not possible: {why}")
-        return d
-    if want is False:
-        d.reason = "MTP off: pinned by you (--no-mtp)"
-        return d
-    if not c.fits:
-        d.reason = "MTP off: the plan does not fit without it"
-        return d
-    acc = acceptance(getattr(pins, "mtp_acceptance", None), spec.name)
-    d.acceptance = acc
-    ks = [k_pin] if k_pin else [int(x) for x in mtp_table()["candidates"]]
-    a_off = plan.performance
-    best: tuple[float, int, Any, Any, Cost] | None = None
-    objective, gpus = plan.objective, hw.count
-    for k in ks:
-        cst = cost(spec, c, k)
-        cand = with_draft(spec, c, cst, plan.kv_pinned,
-                          getattr(pins, "kv_cache_memory_bytes", None))
-        note = {"num_speculative_tokens": k, "tokens_per_step": round(acc.tokens_per_step(k), 3),
-                "kv_tokens": cand.tokens, "fits": cand.fits}
-        if not cand.fits or cand.tokens < 1:
-            note["why_not"] = cand.problem
-            d.options.append(note)
-            continue
-        a_on = None
-        if a_off is not None and plan.workload is not None:
-            shape = dataclasses.replace(a_off.shape, kv_tokens=cand.tokens,
-                                        kv_bytes_per_token=cand.kv_bytes_per_token)
-            a_on = reassess(a_off, speculative_shape(spec, shape, c.layout, c.kv_dtype, k, acc),
-                            plan.workload, plan.slo, concurrency)
-            a_on.candidate = cand
-            note["figure"] = a_on.figure(objective)
-            score = a_on.score(objective, gpus)
-        else:
-            score = float("-inf")
-        d.options.append(note)
-        if best is None or score > best[0]:
-            best = (score, k, cand, a_on, cst)
-    if best is None:
-        d.reason = ("MTP off: the draft's memory would leave less than one request at "
-                    f"{c.max_model_len:,} tokens" + (" (pinned on by you)" if pinned_on else ""))
-        if pinned_on:
-            plan.warnings.append(d.reason)
-        return d
-    score, k, cand, a_on, cst = best
-    d.cost = cst
-    if a_off is not None and a_on is not None:
-        s_off = a_off.score(objective, gpus)
-        gain = (score - s_off) / abs(s_off) if s_off else 0.0
-        d.figure_on, d.figure_off = a_on.figure(objective), a_off.figure(objective)
-        margin = float(mtp_table()["margin"])
-        numbers = (f"with {k} draft token(s) ({acc.tokens_per_step(k):.2f} tokens per step at "
-                   f"acceptance {acc.first:.2f}/{acc.later:.2f}): {d.figure_on}; without: "
-                   f"{d.figure_off} ({gain:+.0%}); cost {describe_cost(cst)}, KV "
-                   f"{c.tokens:,} -> {cand.tokens:,} tokens")
-        if not pinned_on and gain < margin:
-            d.cost, d.k = None, 0
-            what = ("verifying the drafts costs more than they save" if gain < 0
-                    else "too little gain for its memory")
-            d.reason = f"MTP off: {numbers}; under the {margin:.0%} margin ({what})"
-            return d
-        d.reason = (f"MTP on ({'pinned by you' if pinned_on else f'objective {objective}'}): "
-                    f"{numbers}; model only: no published vLLM MTP measurement checks this "
-                    "speed-up and the acceptance is a default (vlaunch tune measures both)")
-    elif not pinned_on:
-        d.reason = ("MTP off: no performance prediction on this hardware to show a gain; "
-                    "pin --mtp to use it")
-        return d
-    else:
-        d.reason = (f"MTP on (pinned by you): {k} draft token(s); cost {describe_cost(cst)}, "
-                    f"KV {c.tokens:,} -> {cand.tokens:,} tokens")
-    d.enabled, d.k = True, k
-    if a_on is not None:
-        cand, a_on = _recap(plan, pins, c, cand, a_on, cst, acc, concurrency, d)
-    _apply(plan, cand, a_on)
-    return d
-
-
-def _recap(plan: Any, pins: Any, c: Any, cand: Any, a_on: Any, cst: Cost, acc: Acceptance,
-           concurrency: int | None, d: Decision) -> tuple[Any, Any]:
-    """balanced/latency cap max_num_seqs at the SLO knee (planner._tune_batch); MTP moves the
-    knee, so the cap is set again at the knee of the engine with the draft, the candidate
-    re-budgeted at that cap (planner.evaluate: the sampler and graphs depend on it)."""
-    from . import perfplan
-    from .capabilities import batch_defaults, version_traits
-    from .planner import evaluate
-
-    spec, hw = plan.model, plan.hardware
-    if getattr(pins, "max_num_seqs", None) or plan.objective not in ("balanced", "latency") \
-            or hw.is_cpu or plan.workload is None:
-        return cand, a_on
-    L = c.layout
-    d_seqs = batch_defaults(hw, L.tp * L.pp)[1]
-    free = reassess(a_on, dataclasses.replace(
-        a_on.shape, max_num_seqs=max(1, min(d_seqs, c.max_num_batched_tokens // (1 + cst.k)))),
-        plan.workload, plan.slo, concurrency)
-    cap = perfplan.knee_seqs(free)
-    if cap is None or cap == c.max_num_seqs:
-        return cand, a_on
-    tokens = max(c.max_num_batched_tokens, cap)
-    traits = version_traits(plan.vllm_version)
-    base = evaluate(spec, hw, L, c.kv_dtype, c.utilization, traits,
-                    dataclasses.replace(pins, max_num_seqs=cap, max_num_batched_tokens=tokens,
-                                        max_model_len=c.max_model_len),
-                    plan.chunked_prefill)
-    if not base.fits:
-        return cand, a_on
-    new_cost = cost(spec, base, cst.k)
-    new = with_draft(spec, base, new_cost, plan.kv_pinned,
-                     getattr(pins, "kv_cache_memory_bytes", None))
-    if not new.fits:
-        return cand, a_on
-    shape = speculative_shape(spec, dataclasses.replace(
-        a_on.shape, kv_tokens=new.tokens, kv_bytes_per_token=new.kv_bytes_per_token,
-        max_num_seqs=cap, max_num_batched_tokens=tokens, spec_tokens=0, spec_yield=1.0,
-        draft=None), L, c.kv_dtype, cst.k, acc)
-    capped = reassess(a_on, shape, plan.workload, plan.slo, concurrency)
-    capped.candidate = new
-    if free.knee is not None:  # the service at the knee; beyond it requests queue
-        capped.knee = perf.point(shape, plan.workload, free.knee.concurrency)
-        if not concurrency:
-            capped.at = capped.knee
-        capped.curve = perf.curve(shape, plan.workload, tuple(
-            x for x in (free.knee.concurrency, concurrency) if x))
-        capped.binding = free.binding
-    d.cost = new_cost
-    d.reason += (f"; max-num-seqs {cap:,} per engine: the SLO knee with the draft (it was "
-                 f"{c.max_num_seqs:,} without)")
-    return new, capped
-
-
-def _apply(plan: Any, cand: Any, a_on: Any) -> None:
-    """The plan now runs the candidate with the draft, and predicts its speed."""
-    plan.chosen = cand
-    if a_on is not None:
-        plan.assessments[id(cand)] = a_on
-        plan.performance = a_on
 
 
 def from_plan(d: dict[str, Any]) -> dict[str, Any]:

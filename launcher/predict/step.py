@@ -454,10 +454,12 @@ def draft_s(s: EngineShape, decodes: float, ctx: float) -> float:
     d = d if d.constants is k else _with_constants(d, k)
     ep = s.dp if s.expert_parallel else 1
     total = 0.0
+    first = dataclasses.replace(d, spec_tokens=s.spec_tokens)  # 1 + k queries per sequence
     for i in range(s.spec_tokens):
-        per_seq = (1 + s.spec_tokens) if i == 0 else 1
-        tokens = decodes * per_seq
-        st = stage_step(d, tokens, ctx, moe_tokens=tokens * ep)
+        layer = first if i == 0 else d
+        tokens = decodes * (1 + layer.spec_tokens)
+        # each sequence's KV is read once per pass, whatever its number of queries
+        st = stage_step(layer, decodes, ctx, moe_tokens=tokens * ep)
         total += st.total + k.draft_pass_us * 1e-6
     return total
 

@@ -45,7 +45,9 @@ class LoadgenError(RuntimeError):
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """One measurement: a fixed-concurrency run of the random dataset against one server."""
+    """One measurement: a fixed-concurrency run of the random dataset against one server, or,
+    with `prompts_path`, of vLLM's `custom` dataset (a JSONL file of {"prompt": ...} lines;
+    `input_len` is then the prompts' own and not sent)."""
 
     base_url: str
     model: str
@@ -58,14 +60,20 @@ class LoadSpec:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     num_warmups: int = 0
+    prompts_path: str | None = None
 
     def validate(self) -> None:
         """Fail in the parent, with a plain message, rather than inside vLLM's argparse."""
-        for name in ("input_len", "output_len", "concurrency", "num_prompts"):
+        names = ("output_len", "concurrency", "num_prompts") + (
+            () if self.prompts_path else ("input_len",))
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_warmups < 0:
             raise ValueError("num_warmups must not be negative")
+        if self.prompts_path is not None and not self.prompts_path.endswith(".jsonl"):
+            # CustomDataset.load_data raises NotImplementedError for any other name
+            raise ValueError(f"vLLM's custom dataset reads only *.jsonl, got {self.prompts_path}")
 
 
 def benchmark_argv(spec: LoadSpec) -> list[str]:
@@ -73,7 +81,21 @@ def benchmark_argv(spec: LoadSpec) -> list[str]:
 
     Temperature 0 and the random dataset's `ignore_eos` make every request generate exactly
     `output_len` tokens, so runs with the same seed do the same work.
+
+    With `prompts_path`, vLLM's `custom` dataset (datasets.py CustomDataset): each prompt goes
+    through the tokenizer's chat template (as a chat user's request would), is shuffled with
+    the seed, and asks for at most `--custom-output-len` tokens (its default, 256, would
+    silently replace ours). `ignore_eos` is deliberately not set (serve.py sets it only for
+    the random datasets): tokens forced past the end of an answer are not natural text and
+    would inflate the draft's acceptance the way random prompts do; the answer length is
+    bounded by `output_len`, and acceptance is a ratio, so shorter answers do not bias it.
     """
+    if spec.prompts_path:
+        dataset = ["--dataset-name", "custom", "--dataset-path", spec.prompts_path,
+                   "--custom-output-len", str(spec.output_len)]
+    else:
+        dataset = ["--dataset-name", "random", "--random-input-len", str(spec.input_len),
+                   "--random-output-len", str(spec.output_len)]
     argv = [
         "--backend", "vllm",
         "--base-url", spec.base_url.rstrip("/"),
@@ -81,9 +103,7 @@ def benchmark_argv(spec: LoadSpec) -> list[str]:
         "--model", spec.tokenizer,
         "--served-model-name", spec.model,
         "--tokenizer", spec.tokenizer,
-        "--dataset-name", "random",
-        "--random-input-len", str(spec.input_len),
-        "--random-output-len", str(spec.output_len),
+        *dataset,
         "--num-prompts", str(spec.num_prompts),
         "--max-concurrency", str(spec.concurrency),
         "--request-rate", "inf",
@@ -122,10 +142,15 @@ def summarize(raw: dict[str, Any], spec: LoadSpec) -> dict[str, Any]:
     rps = _num(raw, "request_throughput") or 0.0
     good = round(goodput * duration) if goodput is not None else completed
     fraction = (good / completed) if completed else 0.0
+    input_len: float | int = spec.input_len
+    if spec.prompts_path:  # the prompts' own mean length, as vLLM's tokenizer counted it
+        total_in = _num(raw, "total_input_tokens")
+        input_len = round(total_in / completed, 1) if total_in and completed else 0
     return {
         "concurrency": spec.concurrency,
         "num_prompts": spec.num_prompts,
-        "input_len": spec.input_len,
+        "dataset": "custom" if spec.prompts_path else "random",
+        "input_len": input_len,
         "output_len": spec.output_len,
         "completed": completed,
         "failed": int(raw.get("failed") or 0),
@@ -267,13 +292,6 @@ class LoadGenerator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def run_benchmark(spec: LoadSpec, timeout: float = 600.0, python: str | None = None,
-                  log_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """One measurement in a fresh child (for one-off checks; tune keeps a child per trial)."""
-    with LoadGenerator(python, log_path=log_path) as gen:
-        return gen.run(spec, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- child side

@@ -20,13 +20,17 @@ The planner predicts; this module measures. Why each piece is the way it is:
   the TTFT and the TPOT objective), doubling then bisecting; a point whose verdict would flip
   within +-10% of the SLO is measured again and pooled. Load comes from vLLM's own benchmark
   (`launcher.run.loadgen`, in a child process).
+- MTP trials also measure the draft's acceptance on natural text (the user's `--dataset` or
+  the project's own prompts) in a short run of their own (`tune_acceptance`, which says why
+  not on the knee's random prompts); only that figure is recorded for the next plans.
 - Everything measured is kept: `tune.json` is rewritten atomically after every point, so a
   kill -9 loses at most one point, and `--resume` skips finished trials. Ctrl-C/SIGTERM stop the
   engine, keep what was measured and report the best so far.
 
 Parts: `tune_candidates` (what is worth a start), `tune_search` (rungs, the knee search, when a
 point is measured again), `tune_measure` (one running engine: warm-up, search, repeats),
-`tune_report` (the choice, the table, the plot). This module runs the loop: the rungs, each
+`tune_acceptance` (MTP acceptance on natural prompts), `tune_report` (the choice, the table,
+the plot). This module runs the loop: the rungs, each
 trial's engine life cycle, calibration, and tune.json's bookkeeping.
 
 Pure orchestration: no click; `out` receives the lines to print. Engine and load generator are
@@ -54,9 +58,11 @@ from .. import __version__
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
+from ..inputs.prompts import PromptSet, builtin_prompts
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
+from . import tune_acceptance
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
 from .loadgen import LoadGenerator
 from .runner import VllmRunner
@@ -158,6 +164,9 @@ class TuneOptions:
     plot: bool = False
     verbose: bool = False
     calibrate: bool = True
+    prompts: PromptSet | None = None
+    """The user's `--dataset` (inputs.prompts.load_prompts); None: the built-in natural prompts.
+    Used only to measure MTP acceptance."""
 
 
 def _fmt_s(seconds: float) -> str:
@@ -241,6 +250,7 @@ class Tuner:
         self.startup_times: list[float] = []
         self._specs: dict[str, TrialSpec] = {}
         self._sizes: list[int] = []
+        self._acceptance: tuple[PromptSet, Path, int] | None = None
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -340,6 +350,11 @@ class Tuner:
         if self.previous:  # --resume: among equally ranked candidates, the finished first
             cands = finished_first(cands, {k for _, k in self.previous})
         pool = [baseline, *cands]
+        self.doc["notes"] += self._prepare_acceptance(pool)
+        if self._acceptance:
+            prompts, path, n = self._acceptance
+            self.doc["acceptance_prompts"] = {**prompts.to_dict(), "file": str(path), "sent": n}
+        self.save()
         self._specs = {t.key: t for t in pool}
         sizes = rung_sizes(len(pool), o.max_starts, o.eta, o.rungs)
         self._sizes = sizes
@@ -362,6 +377,19 @@ class Tuner:
                 self.doc["status"] = "budget spent"
         self._finish()
         return status
+
+    def _prepare_acceptance(self, pool: list[TrialSpec]) -> list[str]:
+        """The natural prompts MTP trials measure acceptance on, written into the output
+        folder; notes for tune.json (a --dataset that no trial needs is said to be unused)."""
+        o = self.opts
+        if not any(tune_acceptance.runs_mtp(t.vllm_args) for t in pool):
+            return (["--dataset is used only to measure MTP acceptance, and no candidate runs "
+                     "MTP: not used"] if o.prompts else [])
+        prompts = o.prompts or builtin_prompts()
+        path, n = tune_acceptance.prepare(prompts, self.dir, o.seed)
+        self._acceptance = (prompts, path, n)
+        return [f"MTP acceptance is measured on {prompts.describe()}, not on the knee's random "
+                "prompts"]
 
     def _halving(self, pool: list[TrialSpec], sizes: list[int]) -> None:
         entrants = pool[:sizes[0]] if sizes else []
@@ -525,7 +553,8 @@ class Tuner:
             max_concurrency(t, o.max_concurrency),
             fine=rung >= len(self._sizes) - 1,  # the last rung measures finely
             hint=hint, tokenizer=self.tokenizer, model_name=self.spec.name, save=self.save,
-            check=lambda: self._check(runner))
+            check=lambda: self._check(runner),
+            acceptance=self._acceptance if tune_acceptance.runs_mtp(t.vllm_args) else None)
         cause = measurement.run()
         if rec["status"] == "ok":
             self._calibrate(t, rec)

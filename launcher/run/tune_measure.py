@@ -3,7 +3,9 @@
 Why its own unit: this is where the numbers in tune.json come from. On an engine that has
 answered its smoke request, an uncounted warm-up runs first (the load generator's imports, the
 engine's first batches), then the concurrency search for the SLO knee (`tune_search`); a point
-whose verdict is fragile is measured again and pooled. Every point is written into the trial's
+whose verdict is fragile is measured again and pooled. A trial that runs MTP measures its
+draft's acceptance on natural prompts between the two (`tune_acceptance` says why not on the
+knee's random prompts). Every point is written into the trial's
 record, and saved, as it comes: a kill loses at most one. The budget and signals are checked
 between points, and a cut-short search still leaves the knee it found.
 """
@@ -14,10 +16,13 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
+from ..inputs.prompts import PromptSet
 from ..inputs.workload import SLO, Workload
 from ..predict.speculative import measured_acceptance, record_acceptance
+from . import tune_acceptance
 from .loadgen import LoadgenError, LoadSpec
 from .runner import VllmRunner
 from .tune_candidates import TrialSpec
@@ -76,6 +81,8 @@ class TrialMeasurement:
 
     `fine`: the last rung (more prompts, a finer knee). `hint`: the knee an earlier rung found.
     `check()` raises Interrupted or BudgetExhausted between points; `save()` writes tune.json.
+    `acceptance`: for an MTP trial, the natural prompts (the set, the file sent, how many) its
+    draft's acceptance is measured on.
     """
 
     runner: VllmRunner
@@ -94,6 +101,7 @@ class TrialMeasurement:
     model_name: str  # the profile MTP acceptance is recorded for
     save: Callable[[], None]
     check: Callable[[], None]
+    acceptance: tuple[PromptSet, Path, int] | None = None
 
     def run(self) -> str | None:
         """Warm up, search, record the knee; the cause when the search was cut short (the
@@ -105,6 +113,9 @@ class TrialMeasurement:
         try:
             with self.loadgen:
                 rec["warmup"] = self._warmup()
+                if self.acceptance is not None:
+                    rec["mtp_acceptance"] = self._measure_acceptance(*self.acceptance)
+                    self.save()
                 search.run()
         except LoadgenError as e:
             cause = f"the benchmark failed: {e}"
@@ -133,9 +144,9 @@ class TrialMeasurement:
             raise BudgetExhausted()
         return left
 
-    def _heartbeat(self, c: int) -> Callable[[float], None]:
+    def _heartbeat(self, c: int | str) -> Callable[[float], None]:
         def beat(waited: float) -> None:
-            what = f"concurrency {c}" if c else "warm-up"
+            what = (c if isinstance(c, str) else f"concurrency {c}") if c else "warm-up"
             self.progress.tick(f"  {what}: measuring ({waited:.0f}s)")
             if self.runner.interrupted is not None:
                 raise Interrupted(self.runner.interrupted)
@@ -156,6 +167,31 @@ class TrialMeasurement:
         self.progress.line(f"  warm-up done in {time.monotonic() - t0:.0f}s (not counted)")
         return {"seconds": round(time.monotonic() - t0, 1), "completed": s["completed"]}
 
+    def _measure_acceptance(self, prompts: PromptSet, path: Path, n: int) -> dict[str, Any]:
+        """The draft's acceptance on natural prompts (see tune_acceptance), recorded for the
+        model's next plans with its source. A failed run loses the figure, not the trial (the
+        knee search that follows says whether the engine is still there)."""
+        spec = tune_acceptance.load_spec(self._load_spec(1, 1, 0), path, n,
+                                         self.workload.output_len)
+        self.progress.line(f"  MTP acceptance on {prompts.describe()}: {n} requests, "
+                           f"{spec.concurrency} in flight")
+        try:
+            record = tune_acceptance.measure(
+                lambda s: self.loadgen.run(s, timeout=self._timeout(),
+                                           heartbeat=self._heartbeat("MTP acceptance")),
+                spec, prompts)
+        except LoadgenError as e:
+            if self.progress.left <= STOP_MARGIN_S + 1:  # cut off by the budget
+                raise BudgetExhausted() from None
+            record = {"source": prompts.describe(), "error": f"the benchmark failed: {e}"[:500]}
+        if "first" in record:
+            record_acceptance(self.model_name, record, source=record["source"])
+            self.progress.line(f"  MTP acceptance: first draft {record['first']:.0%}, "
+                               f"{record['acceptance_length']:.2f} tokens per step")
+        else:
+            self.progress.line(f"  MTP acceptance not measured: {record['error'][:200]}")
+        return record
+
     def _one(self, c: int, repeat: int) -> dict[str, Any]:
         per_c = PROMPTS_PER_CONCURRENCY[int(self.fine)]
         spec = self._load_spec(c, max(MIN_PROMPTS, per_c * c), min(c, 4))
@@ -168,9 +204,9 @@ class TrialMeasurement:
         point = flat_point(s, self.slo, self.threshold, repeat)
         self.rec["results"].append(point)
         acc = measured_acceptance(point.get("raw") or {})
-        if acc:  # MTP trials: what vLLM's benchmark measured, kept for the next plans
-            self.rec["mtp_acceptance"] = acc
-            record_acceptance(self.model_name, acc)
+        if acc:  # on random tokens: kept for comparison, never recorded for planning
+            self.rec["mtp_acceptance_random"] = {**acc, "source": "random-token prompts of the "
+                                                 "knee search (not used for planning)"}
         self.save()
         return point
 

@@ -169,7 +169,7 @@ def _quiet(raw: str) -> bool:
     if " ERROR " in head or " CRITICAL " in head:
         return False
     return (" INFO " in head or " WARNING " in head or " DEBUG " in head
-            or head.startswith(("INFO:", "WARNING:", "DEBUG:")))
+            or head.startswith(("INFO:", "WARNING:", "DEBUG:", "INFO ", "WARNING ", "DEBUG ")))
 
 
 def phase_of(content: str) -> tuple[str, str] | None:
@@ -742,7 +742,8 @@ class Scanner:
         content = line.content
         if not content:
             return
-        if not line.indented and _has_context(content):
+        if line.level not in ("ERROR", "CRITICAL") and not line.indented \
+                and _has_context(content):
             self._context(content)
         if not line.errorish:
             return

@@ -117,7 +117,8 @@ def test_tp_adds_two_all_reduces_per_layer():
 def test_constants_are_read_when_a_step_is_timed_not_when_a_shape_is_built():
     # The fit and the calibration swap constants on a built shape: every one of them moves it.
     s = toy(tp=2, pp=2, dp=2, experts=8, topk=2, moe_layers=10, expert_bytes=1e9,
-            expert_flops_per_token=1e9, expert_parallel=True, v0=True, cross_node_pp=True)
+            expert_flops_per_token=1e9, expert_parallel=True, v0=True, cross_node_pp=True,
+            fp8_gemm=True)
     draft = toy(layers=1)
     s = dataclasses.replace(s, spec_tokens=1, spec_yield=1.5, draft=draft)
     w = Workload(4096, 256)

@@ -49,8 +49,8 @@ MAX_RHO = 0.95
 """Cap on the other prompts' share of engine time in the staggered TTFT queueing term."""
 
 HELD_OUT_SPREAD: dict[str, tuple[float, float]] = {
-    "output_tokens_per_s": (-0.214, 0.861),
-    "tpot_ms": (-0.339, 0.478),
+    "output_tokens_per_s": (-0.217, 0.778),
+    "tpot_ms": (-0.263, 0.591),
 }
 """10th and 90th percentile of the relative error (predicted / measured - 1) of each quantity
 when every publication's rows are predicted by constants fitted without them (`python
@@ -90,6 +90,26 @@ def _chunks(s: EngineShape, length: float, running: float) -> int:
         return 1
     budget = max(s.max_num_batched_tokens - running * (1 + s.spec_tokens), 1.0)
     return max(1, math.ceil(length / budget))
+
+
+def _chunk_share(s: EngineShape, length: float, running: float) -> float:
+    """Steps' worth of token budget a `length`-token prompt fills beside `running` decodes
+    (fractional: the rest of its last step carries the next prompt)."""
+    if not s.chunked_prefill:
+        return 1.0
+    budget = max(s.max_num_batched_tokens - running * (1 + s.spec_tokens), 1.0)
+    return length / budget
+
+
+def _mixed_step_s(s: EngineShape, length: float, running: float, ctx: float,
+                  moe_tokens: float | None) -> float:
+    """Seconds of a decode step that also fills the rest of its token budget with prompt
+    tokens (halfway through a `length`-token prompt)."""
+    piece = (max(s.max_num_batched_tokens - running * (1 + s.spec_tokens), 1.0)
+             if s.chunked_prefill else length)
+    prefix = max(length - min(piece, length), 0.0) / 2
+    return step_s(s, max(running, 1e-9), ctx, piece, prefix,
+                  moe_tokens=None if moe_tokens is None else moe_tokens + piece * s.dp)
 
 
 def prompt_s(s: EngineShape, length: float, running: float, ctx: float) -> tuple[float, float]:
@@ -177,16 +197,20 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None) 
     t_dec = decode_step_s(s, b, ctx, moe_tokens)
     steps = max(w.output_len - 1, 1)
     others_n = max(b - 1.0, 0.0)
-    own, added = prompt_s(s, w.input_len, others_n, ctx)
-    # The other prompts' chunk steps: those that fall in this request's decode window slow its
-    # tokens (each adds `added / n` to a decode step); when there are more of them than the
-    # request has tokens (long prompts, many running: prefill-bound) the rest run before its
-    # first token, at a chunk step's full time.
-    n = _chunks(s, w.input_len, others_n)
-    slots = others_n * n
-    inside = min(slots, float(steps))
-    in_decode = inside * added / n
-    before = (slots - inside) * own / n
+    own, _ = prompt_s(s, w.input_len, others_n, ctx)
+    # The other prompts fill the token budget left beside the decodes, `share` steps' worth
+    # each. Those steps that fall in this request's decode window are mixed steps: a fraction
+    # f of its tokens come from one. When the prompts need more steps than the request has
+    # tokens (long prompts, many running: prefill-bound) the rest run before its first token.
+    share = _chunk_share(s, w.input_len, others_n)
+    slots = others_n * share
+    life = steps / s.spec_yield  # engine steps this request decodes in (fewer with MTP)
+    dec_step = t_dec * s.spec_yield
+    mixed = _mixed_step_s(s, w.input_len, b, ctx, moe_tokens) if slots > 0 else dec_step
+    extra = max(mixed - dec_step, 0.0)  # what a step's prompt tokens add to it
+    added = share * extra  # what one other prompt adds to the engine's time
+    in_decode = min(slots, life) * extra
+    before = max(slots - life, 0.0) * mixed
     request = s.constants.request_us * 1e-6
     boundary = t_dec / 2 if others_n > 0 else 0.0  # arriving mid-step waits for its end
     if w.synchronized:

@@ -40,35 +40,39 @@ class Constants:
     """Efficiencies (shares of a peak) and fixed costs (microseconds). The values are the fit of
     `bench/perf_fit.py` inside the BOUNDS there, rounded; each field says its physical range."""
 
-    hbm_eff: float = 0.81
+    hbm_eff: float = 0.9
     """Share of peak HBM bandwidth weight and KV reads reach. Range 0.6-0.92: aiconfigurator's
     vLLM GEMM tables give 0.76-0.86 for bf16 weights, FlashMLA decode ~0.9 of H800's HBM
     (ai-dynamo/aiconfigurator; deepseek-ai/FlashMLA README)."""
-    compute_eff: float = 0.55
+    compute_eff: float = 0.48
     """Share of dense tensor peak a decode step's GEMMs and attention reach. Range 0.4-0.70:
     aiconfigurator measures 0.5-0.59 for fp8 and ~0.8 for bf16 GEMMs at large M; decode M is
     small, so <= 0.70 (the issue's bound)."""
-    prefill_eff: float = 0.5
+    prefill_eff: float = 0.52
     """Share of dense tensor peak a prefill chunk's GEMMs and attention reach. Range 0.45-0.75:
     FlashAttention-3 reaches ~740 of 989 bf16 TFLOPS on H100 (~75%, arXiv 2407.08608);
     aiconfigurator's large-M GEMMs 0.79-0.81 (bf16) and 0.50-0.59 (fp8) of peak."""
+    fp8_gemm_share: float = 0.4
+    """fp8 GEMMs reach this share of the efficiency bf16 GEMMs reach, of their (twice as high)
+    fp8 peak: scaling and smaller tiles. Range 0.4-1.0: aiconfigurator's vLLM GEMM tables give
+    0.50-0.59 of fp8 peak on H100/H200 against 0.79-0.81 of bf16 peak (~0.65)."""
     moe_eff: float = 0.5
     """Share of the roofline (bandwidth and compute alike) a fused-MoE grouped GEMM reaches,
     beyond the dense GEMMs' efficiencies: routing, permutation and per-expert tiles. Range
     0.05-1.0: aiconfigurator's vLLM fused-MoE tables give median utilisation 0.53 (bf16), 0.40
     (fp8), 0.23 (nvfp4), 0.07 (int4 weight-only)."""
-    layer_us: float = 27.0
+    layer_us: float = 43.0
     """Fixed cost per layer per step: ~6-10 kernels of ~2-4 us each under CUDA graphs (norms,
     rotary, KV write, activation). Range 5-60 us; aiconfigurator's element-wise op floor is
     ~3 us and its GEMM floor 3.8-8.7 us."""
     moe_layer_us: float = 120.0
     """Floor of one fused-MoE layer (router, top-k, permutation, grouped-GEMM set-up). Range
     20-120 us: aiconfigurator's vLLM fused-MoE tables floor at 22-50 us."""
-    allreduce_us: float = 9.5
+    allreduce_us: float = 7.5
     """Latency of one vLLM custom all-reduce inside NVLink / Infinity Fabric under a CUDA graph.
     Range 4-25 us: 5.1 us at 8 KB on 8xH100, ~20 us outside a graph (vLLM
     custom_all_reduce benchmarks, csrc/custom_all_reduce.cuh)."""
-    link_eff: float = 0.59
+    link_eff: float = 0.5
     """Share of the link bandwidth a collective's ring moves bytes at. Range 0.3-0.9: with
     allreduce_us = 8 it gives vLLM's custom all-reduce on 8xH100 (7.9 us at 128 KB, 15.0 at
     1 MB, 19.4 at 2 MB); nccl-tests reach ~0.8 of NVLink as bus bandwidth at large sizes."""
@@ -76,11 +80,11 @@ class Constants:
     """Latency of one NCCL collective inside a node where vLLM's custom all-reduce does not
     apply (EP all-gather / reduce-scatter, DP synchronisation, PCIe). Range 8-30 us: nccl-tests
     on 8xH100 ~16 us at 8 KB."""
-    network_us: float = 120.0
+    network_us: float = 112.0
     """Latency of one collective or pipeline hop that crosses nodes (InfiniBand / RoCE). Range
     15-120 us: NCCL across two HGX nodes adds ~10-30 us to the intra-node latency per call, more
     on RoCE and through rail switches (nccl-tests multi-node all-reduce at small sizes)."""
-    step_us: float = 345.0
+    step_us: float = 620.0
     """Per engine step: scheduler, sampler, input preparation, output processing (V1 engine).
     Range 100-3,000 us: V1 overlaps scheduling with the GPU but a step still costs ~0.5 ms of
     host work (vLLM V1 alpha blog, 2025-01-27)."""
@@ -94,7 +98,7 @@ class Constants:
     torch.compile fusion) reached. Range 0.05-1.0: Neural Magic measured DeepSeek-R1 on vLLM
     0.7.0 at 238 and 0.7.1 at 821 output tok/s on the same GPUs (3.4x from kernels alone,
     neuralmagic.com 'Enhancing DeepSeek models with MLA and FP8'). Used only for V0 rows."""
-    request_us: float = 26000.0
+    request_us: float = 46000.0
     """Per request before its first token: HTTP, tokenisation, engine hand-off, first chunk out.
     Range 1-60 ms: Qwen3-8B on H100 at concurrency 1 measures 59 ms TTFT for a 233-token prompt
     of ~10 ms compute (gpustack performance lab)."""
@@ -107,7 +111,8 @@ class Constants:
 DEFAULT = Constants()
 
 BOUNDS: dict[str, tuple[float, float]] = {
-    "hbm_eff": (0.6, 0.92), "moe_eff": (0.05, 1.0), "compute_eff": (0.4, 0.70),
+    "hbm_eff": (0.6, 0.92), "moe_eff": (0.05, 1.0), "fp8_gemm_share": (0.4, 1.0),
+    "compute_eff": (0.4, 0.70),
     "prefill_eff": (0.45, 0.75),
     "layer_us": (5.0, 60.0), "moe_layer_us": (20.0, 120.0), "allreduce_us": (4.0, 25.0),
     "link_eff": (0.3, 0.9), "nccl_us": (8.0, 30.0), "network_us": (15.0, 120.0),
@@ -119,7 +124,8 @@ BOUNDS: dict[str, tuple[float, float]] = {
 leaves it."""
 
 NOMINAL: dict[str, float] = {
-    "hbm_eff": 0.85, "moe_eff": 0.5, "compute_eff": 0.55, "prefill_eff": 0.6,
+    "hbm_eff": 0.85, "moe_eff": 0.5, "fp8_gemm_share": 0.65, "compute_eff": 0.55,
+    "prefill_eff": 0.6,
     "layer_us": 20.0, "moe_layer_us": 45.0, "allreduce_us": 8.0, "link_eff": 0.7,
     "nccl_us": 16.0, "network_us": 30.0, "step_us": 500.0, "v0_step_us": 3000.0,
     "v0_kernel_eff": 0.5, "request_us": 20000.0, "draft_pass_us": 300.0,
@@ -170,6 +176,7 @@ class EngineShape:
     chunked_prefill: bool
     constants: Constants = DEFAULT
     v0: bool = False  # the V0 engine (vLLM < 0.8 rows): its larger per-step host cost
+    fp8_gemm: bool = False  # the GEMMs run on fp8 tensor cores (fp8 weights, a card with them)
     attn_peak: float = 0.0  # FLOP/s of attention math (bf16); 0: same as peak
     kv_grow: float = 1.0  # share of KV bytes per token in layers whose cache grows with context
     kv_windows: tuple[tuple[float, int], ...] = ()  # (share, window) of sliding layers
@@ -303,6 +310,7 @@ def engine_shape(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_bytes_per_t
         cross_node_ep=layout.expert_parallel and layout.tp * layout.dp > per_node,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         kv_tokens=kv_tokens, chunked_prefill=chunked_prefill, constants=constants, v0=v0,
+        fp8_gemm=bool(fp8_weights and kind.fp8_tflops),
         attn_peak=kind.bf16_tflops * 1e12, kv_grow=grow, kv_windows=windows)
 
 
@@ -364,6 +372,8 @@ def stage_step(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
     ke = k.v0_kernel_eff if s.v0 else 1.0
     hbm_eff, c_eff, p_eff = k.hbm_eff * ke, k.compute_eff * ke, k.prefill_eff * ke
     eff = c_eff if chunk <= 0 else (c_eff * decodes * q + p_eff * chunk) / m
+    if s.fp8_gemm:
+        eff *= k.fp8_gemm_share
     act = m * s.hidden * 2 * ACTIVATION_PASSES * s.layers
     _op(parts, s.dense_bytes + act, m * s.dense_flops_per_token, s.hbm, hbm_eff, s.peak, eff)
     bytes_read = s.dense_bytes + act

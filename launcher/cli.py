@@ -51,7 +51,9 @@ def format_option(help: str, *extra: str):
               help="plan.json (or its folder) written by `vlaunch plan --emit DIR` or "
                    "`vlaunch plan --format json -o FILE`, for the planned-vs-actual series.")
 @click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True)
-@click.option("--bind", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--bind", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for a Prometheus on another machine; the "
+                   "page has no authentication).")
 @click.option("--timeout", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
               help="Seconds allowed for each fetch of vLLM's /metrics.")
 @click.option("--cache-ttl", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
@@ -449,6 +451,9 @@ def _serve_options(f):
         click.option("--metrics-bind", default="127.0.0.1", show_default=True),
         click.option("--no-metrics", is_flag=True, help="Do not start the exporter."),
         click.option("--port", type=int, help="vLLM's API port (default: a free port)."),
+        click.option("--host", help="Address vLLM listens on [default: 127.0.0.1, this machine "
+                                    "only]; 0.0.0.0 for every interface (then set "
+                                    "VLLM_API_KEY)."),
         click.option("--startup-timeout", type=float, help="Seconds before a start-up is a hang."),
         click.option("--stop-timeout", type=click.FloatRange(0), default=None,
                      help="Seconds vLLM may drain in-flight requests on a stop before it is "
@@ -490,13 +495,13 @@ def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
                    stop_timeout=_stop_timeout(opts),
-                   out=out, goals=goals, plan_hook=plan_hook)
+                   out=out, goals=goals, plan_hook=plan_hook, host=opts["host"])
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     sys.exit(result.exit_code)
 
 
-_SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "port",
+_SERVE_KEYS = ("max_attempts", "metrics_port", "metrics_bind", "no_metrics", "port", "host",
                "startup_timeout", "stop_timeout", "log_dir", "quiet", "verbose", "dry_run",
                "fmt")
 
@@ -564,7 +569,7 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
                       dry_run=opts["dry_run"], verbose=opts["verbose"],
                       startup_timeout=opts["startup_timeout"],
                       stop_timeout=_stop_timeout(opts), extra=list(extra),
-                      out=lambda s: click.echo(s, err=as_json))
+                      out=lambda s: click.echo(s, err=as_json), host=opts["host"])
         if as_json:
             import json
 

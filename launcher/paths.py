@@ -135,12 +135,29 @@ def update_json_object(path: Path, change: Callable[[dict[str, Any]], None]) -> 
         return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux says it (/proc/self/status);
+    elsewhere set-and-restore (os.umask has no read-only form)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def atomic_write(path: str | os.PathLike[str], text: str, mode: int | None = None) -> Path:
     """Write `text` to `path` so that readers see the old file or the new one, never a mix.
 
     The temp file lives in the same folder because `os.replace` is only atomic within one
     filesystem. It is fsynced before the rename so a node crash cannot leave an empty file
-    under the final name.
+    under the final name. The file gets the permissions `open()` would give a new file (0666
+    less the umask), not mkstemp's 0600 nor a fixed 0644: a user who set `umask 077` keeps
+    plans and caches private. `mode`, when given, is masked by the umask too.
     """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -148,7 +165,7 @@ def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> 
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
-            os.fchmod(f.fileno(), mode)
+            os.fchmod(f.fileno(), (0o666 if mode is None else mode) & ~current_umask())
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
@@ -156,3 +173,47 @@ def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> 
             os.unlink(tmp)
         raise
     return target
+
+
+def _open_char_device(path: Path) -> Any:
+    """An existing character device named explicitly (/dev/null, /dev/full) opened for
+    appending, else None. Only root makes device nodes, so writing to one leaks nothing to
+    whoever made the name; checked again on the open descriptor, against a swap meanwhile."""
+    import stat
+
+    try:
+        if not stat.S_ISCHR(os.lstat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    if not stat.S_ISCHR(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "ab", buffering=0)
+
+
+def create_private(path: str | os.PathLike[str], *, tries: int = 1000) -> tuple[Any, Path]:
+    """A new file only this user can read (0600), opened for appending bytes, unbuffered.
+
+    O_EXCL | O_NOFOLLOW: a name that already exists, or a symlink planted under it (log names
+    such as tune's `vllm-trial3.log` are predictable, and a log dir may be shared), is never
+    opened or followed; the next free name `STEM-2.SUFFIX`, `STEM-3.SUFFIX`, ... is taken
+    instead. An existing character device named on purpose (/dev/null) is written to as it is.
+    Returns (file, the path actually opened).
+    """
+    target = Path(path)
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
+             | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    for n in range(1, tries + 1):
+        candidate = target if n == 1 else target.with_name(f"{target.stem}-{n}{target.suffix}")
+        try:
+            fd = os.open(candidate, flags, 0o600)
+        except FileExistsError:
+            device = _open_char_device(candidate)
+            if device is not None:
+                return device, candidate
+            continue
+        return os.fdopen(fd, "ab", buffering=0), candidate
+    raise FileExistsError(f"{target} and {tries - 1} alternatives exist; clean up {target.parent}")

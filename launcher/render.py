@@ -5,6 +5,8 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from .redact import redact_args, redact_env
+
 GiB = 1 << 30
 
 _SEGMENTS = (("weights_bytes", "W", "weights"), ("activation_bytes", "A", "activations"),
@@ -81,9 +83,9 @@ def plan_text(d: dict[str, Any]) -> str:
         lines += ["  commands (one per node; vlaunch exec builds them from the LeaderWorkerSet "
                   "environment):"] + _node_commands(d)
     elif d["fits"]:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in d["env"].items())
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(d["env"]).items())
         lines.append("  command:")
-        lines.append(f"    {env} vllm serve " + " ".join(shlex.quote(a) for a in d["vllm_args"]))
+        lines.append(f"    {env} vllm serve " + shlex.join(redact_args(d["vllm_args"])))
     return "\n".join(lines)
 
 
@@ -99,9 +101,10 @@ def _node_commands(d: dict[str, Any]) -> list[str]:
         who = "leader (node 0)" if rank == 0 else (
             "worker (node 1)" + ("; nodes 2 and up differ only in their rank" if nodes > 2 else ""))
         out.append(f"    {who}:")
-        out += [f"      {shlex.join(pre)}" for pre in launch.pre_commands]
-        env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
-        out.append(f"      {env_text} {shlex.join(launch.argv)}")
+        out += [f"      {shlex.join(redact_args(pre))}" for pre in launch.pre_commands]
+        env_text = " ".join(f"{k}={shlex.quote(v)}"
+                            for k, v in sorted(redact_env(launch.env).items()))
+        out.append(f"      {env_text} {shlex.join(redact_args(launch.argv))}")
     return out
 
 

@@ -403,7 +403,7 @@ def test_gpu_series_and_gpu_failures(fake):
             raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
         return [Dev(i) for i in range(8)]
 
-    exp = ex.Exporter(fake.url, plan=PLAN, gpu_reader=reader)
+    exp = ex.Exporter(fake.url, plan=PLAN, gpu_reader=reader, cache_ttl_s=0)  # no GPU cache
     s = scrape(exp)
     for i in range(8):
         assert value(s, "vlaunch_gpu_memory_bytes", gpu=str(i), uuid=f"GPU-{i}", kind="total") \

@@ -8,6 +8,7 @@ place), made strict the same way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.metadata
 import importlib.util
@@ -296,7 +297,8 @@ def test_service_and_podmonitor_select_the_serving_pods(overlay):
     _, objs = overlay
     (svc,) = _of_kind(objs, "Service")
     (mon,) = _of_kind(objs, "PodMonitor")
-    assert {p["port"] for p in svc["spec"]["ports"]} == {8000, 9400}
+    # The API only: the exporter is scraped on the pods, never load-balanced (issue 23).
+    assert {p["port"] for p in svc["spec"]["ports"]} == {8000}
     scraped = {e["port"] for e in mon["spec"]["podMetricsEndpoints"]}
     assert scraped == {"http", "metrics"}
     for where, template in _pod_templates(objs):
@@ -361,6 +363,8 @@ def test_server_listens_on_the_ports_the_probes_and_monitors_use(overlay):
             assert int(args[args.index("--port") + 1]) in ports, where
             assert int(args[args.index("--metrics-port") + 1]) in ports, where
             assert args[args.index("--metrics-bind") + 1] == "0.0.0.0", where
+            # vlaunch binds vLLM to loopback unless told: the probes come in on the pod IP
+            assert args[args.index("--host") + 1] == "0.0.0.0", where
 
 
 # ---- timing: start-up budget and drain (issue 13 items 8 and 19) ----------------------------
@@ -570,3 +574,216 @@ def test_planner_gets_no_hf_token(overlay):
         names = {e["name"] for e in plan.get("env", [])}
         assert not names & {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"}, where
         assert "secretKeyRef" not in json.dumps(plan) and not plan.get("envFrom"), where
+
+
+# ---- exposure and supply chain (issue 23) ---------------------------------------------------
+
+GATEWAY_NS, MONITORING_NS = "vlaunch-gateway", "monitoring"
+LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
+# Ports inside a group: torch.distributed's master port, vLLM's DP RPC port, Ray's, an NCCL one.
+INTERNAL_PORTS = (29500, 29550, 6379, 43127)
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A LabelSelector (matchLabels; matchExpressions are not used here and refused)."""
+    assert not selector.get("matchExpressions"), "extend _selects for matchExpressions"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_matches(peer: dict, src_ns: str, src_labels: dict, dst_ns: str) -> bool:
+    assert "ipBlock" not in peer, "an ipBlock would bypass the namespace/pod rules"
+    ns_ok = (_selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": src_ns})
+             if "namespaceSelector" in peer else src_ns == dst_ns)
+    pod_ok = _selects(peer["podSelector"], src_labels) if "podSelector" in peer else True
+    return ns_ok and pod_ok
+
+
+def _port_matches(rule_ports: list[dict] | None, port: int, named: dict[str, int]) -> bool:
+    if not rule_ports:
+        return True
+    for rp in rule_ports:
+        want = rp.get("port")
+        want = named.get(want) if isinstance(want, str) else want
+        if rp.get("protocol", "TCP") == "TCP" and (want is None or want == port):
+            return True
+    return False
+
+
+def _ingress_allowed(policies: list[dict], dst_labels: dict, named: dict[str, int],
+                     src_ns: str, src_labels: dict, port: int, dst_ns: str = "vlaunch") -> bool:
+    """NetworkPolicy semantics for one TCP connection: a pod no policy selects takes anything;
+    a selected pod takes what at least one selecting policy's rule allows."""
+    selecting = [p for p in policies
+                 if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                 and _selects(p["spec"]["podSelector"], dst_labels)]
+    if not selecting:
+        return True
+    for pol in selecting:
+        for rule in pol["spec"].get("ingress", []):
+            peers = rule.get("from")
+            if (not peers or any(_peer_matches(q, src_ns, src_labels, dst_ns) for q in peers)) \
+                    and _port_matches(rule.get("ports"), port, named):
+                return True
+    return False
+
+
+def _runtime_labels(objs: list[dict], where: str, template: dict, group: int = 0) -> dict:
+    """The labels a pod of this template carries at run time (the LWS controller adds its own)."""
+    labels = dict(template["metadata"]["labels"])
+    if "/" in where:
+        labels[LWS_NAME] = where.split("/")[0]
+        labels[LWS_GROUP] = str(group)
+    return labels
+
+
+def test_network_policies_admit_only_gateway_monitoring_and_the_group(overlay):
+    name, objs = overlay
+    policies = _of_kind(objs, "NetworkPolicy")
+    multinode = bool(_of_kind(objs, "LeaderWorkerSet"))
+    for where, template in _pod_templates(objs):
+        server = _container(template["spec"], "vllm")
+        named = {p["name"]: p["containerPort"] for p in server.get("ports", [])}
+        serves = "http" in named
+        dst = _runtime_labels(objs, where, template)
+
+        def allowed(ns, port, src=None, dst=dst, named=named):
+            return _ingress_allowed(policies, dst, named, ns, src or {"app": "other"}, port)
+
+        # No one else: another namespace, and an unrelated pod of the same namespace.
+        for port in (8000, 9400, *INTERNAL_PORTS):
+            assert not allowed("default", port), (where, port)
+            assert not allowed("vlaunch", port), (where, port)
+        # The gateway reaches the API and nothing else.
+        assert allowed(GATEWAY_NS, 8000) == serves, where
+        for port in (9400, *INTERNAL_PORTS):
+            assert not allowed(GATEWAY_NS, port), (where, port)
+        # Monitoring reaches the exporter (and vLLM's /metrics, which shares the API port).
+        if serves:
+            assert allowed(MONITORING_NS, 9400) and allowed(MONITORING_NS, 8000), where
+        for port in INTERNAL_PORTS:
+            assert not allowed(MONITORING_NS, port), (where, port)
+        # The group's internal ports: only from pods of the same group.
+        for other, template2 in _pod_templates(objs):
+            if not multinode:
+                break
+            peer = _runtime_labels(objs, other, template2)
+            stranger = _runtime_labels(objs, other, template2, group=1)
+            for port in INTERNAL_PORTS:
+                assert allowed("vlaunch", port, peer), (where, other, port)
+                assert not allowed("vlaunch", port, stranger), (where, other, port)
+                assert not allowed("default", port, peer), (where, other, port)
+
+
+def test_network_policy_check_is_not_vacuous():
+    """The evaluator above lets a pod that no policy selects take anything."""
+    objs = _kustomize(K8S / "overlays" / "deepseek-v3-8xh200")
+    open_policies = [p for p in _of_kind(objs, "NetworkPolicy")
+                     if p["metadata"]["name"] != "vlaunch-default-deny"]
+    labels = {"app.kubernetes.io/name": "vlaunch", "app.kubernetes.io/component": "server"}
+    assert not _ingress_allowed(_of_kind(objs, "NetworkPolicy"), labels, {}, "default", {}, 8000)
+    assert _ingress_allowed([], labels, {}, "default", {}, 8000)
+    allow_all = copy.deepcopy(open_policies[0])
+    allow_all["spec"]["ingress"] = [{}]
+    assert _ingress_allowed([allow_all], labels, {}, "default", {}, 29500)
+
+
+def test_api_key_comes_from_an_optional_secret_never_the_command_line(overlay):
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        server = _container(spec, "vllm")
+        env = {e["name"]: e for e in server.get("env", [])}
+        for c in _all_containers(spec):
+            assert not any(a.startswith("--api-key") for a in c.get("args", [])), where
+        if where.endswith("workerTemplate"):
+            continue  # headless: no API
+        ref = env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref["optional"] is True and "value" not in env["VLLM_API_KEY"], where
+        for c in spec.get("initContainers", []):
+            assert "VLLM_API_KEY" not in {e["name"] for e in c.get("env", [])}, where
+
+
+def _dockerfile_home() -> str:
+    (home,) = re.findall(r"^ENV HOME=(\S+)\s*$", DOCKERFILE.read_text(), flags=re.M)
+    return home
+
+
+def test_root_filesystem_is_read_only_with_writable_scratch(overlay):
+    """Nothing can rewrite the image at run time; what vLLM, torch.compile and Triton write goes
+    to /tmp and HOME, on emptyDirs (a read-only root without them fails at the first cache)."""
+    _, objs = overlay
+    home = _dockerfile_home()
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        assert spec.get("automountServiceAccountToken") is False, where
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in _all_containers(spec):
+            assert c["securityContext"].get("readOnlyRootFilesystem") is True, (where, c["name"])
+            mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+            needed = ["/tmp", home] if c["name"] == "vllm" else ["/tmp"]
+            for path in needed:
+                assert path in mounts and not mounts[path].get("readOnly"), (where, c["name"], path)
+                volume = volumes[mounts[path]["name"]]
+                assert "emptyDir" in volume and volume["emptyDir"].get("sizeLimit"), (where, path)
+
+
+def test_documented_digest_pin_reaches_every_container(tmp_path):
+    """README's `kustomize edit set image vlaunch=REGISTRY/vlaunch@sha256:DIGEST` step (what it
+    writes into a kustomization) pins every container of every overlay, LWS templates included."""
+    readme = (K8S / "README.md").read_text()
+    assert re.search(r"kustomize edit set image vlaunch=\S+@sha256:", readme)
+    digest = "sha256:" + "ab" * 32
+    copy_root = tmp_path / "kubernetes"
+    shutil.copytree(K8S, copy_root)
+    for name in OVERLAYS:
+        folder = copy_root / "overlays" / name
+        doc = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        images = [i for i in doc.get("images", []) if i["name"] != "vlaunch"]
+        doc["images"] = [*images, {"name": "vlaunch", "newName": "registry.example/vlaunch",
+                                   "digest": digest}]
+        (folder / "kustomization.yaml").write_text(yaml.safe_dump(doc))
+        seen = 0
+        for _, template in _pod_templates(_kustomize(folder)):
+            for c in _all_containers(template["spec"]):
+                assert c["image"] == f"registry.example/vlaunch@{digest}", (name, c["name"])
+                seen += 1
+        assert seen >= 2, name
+
+
+def test_image_python_dependencies_are_pinned_by_constraints():
+    """Every runtime dependency of the package is pinned exactly, within pyproject's range, to
+    the version the tests run with; the Dockerfile installs under those constraints."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    constraints_path = REPO / "deploy" / "constraints.txt"
+    pins = {}
+    for line in constraints_path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[canonicalize_name(req.name)] = spec.version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    for dep in project["project"]["dependencies"] + project["build-system"]["requires"]:
+        req = Requirement(dep)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{name} is not pinned in deploy/constraints.txt"
+        assert req.specifier.contains(pins[name]), (name, pins[name], str(req.specifier))
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # the build backend is not installed in the test environment
+        assert installed == pins[name], (name, installed, pins[name])
+    for name, version in pins.items():  # the closure too: what the tests ran with
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            assert importlib.metadata.version(name) == version, (name, version)
+    text = DOCKERFILE.read_text()
+    assert re.search(r"PIP_CONSTRAINT=\S*constraints\.txt python3 -m pip install", text)
+    assert "COPY deploy/constraints.txt" in text

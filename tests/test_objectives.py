@@ -42,7 +42,7 @@ def test_workload_presets_and_the_assumed_default():
         resolve_workload(output_len=0)
 
 
-def test_deepseek_on_8xh200_is_dp_ep_for_throughput_and_tp8_for_latency():
+def test_deepseek_on_8xh200_is_ep_at_the_best_knee_for_throughput_and_tp8_for_latency():
     thr = plan("deepseek-r1", "8xH200", "throughput")
     lat = plan("deepseek-r1", "8xH200", "latency")
     # which EP layout serves most within the SLO is the performance model's call (at the

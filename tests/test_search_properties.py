@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from launcher.cli import cli
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
-from launcher.inputs.workload import SLO, resolve_workload
+from launcher.inputs.workload import SLO, Workload, resolve_workload
 from launcher.predict import rank
 from launcher.predict.planner import Pins, layouts, make_plan
 from launcher.render import plan_text
@@ -189,6 +189,20 @@ def test_deepseek_8xh200_throughput_is_ep_at_its_best_knee(mtp):
             knee = (alt.get("performance") or {}).get("knee")
             if knee:
                 assert knee["output_tokens_per_s"] <= best * (1 + 1e-9), alt["label"]
+
+
+def test_deepseek_8xh200_long_reasoning_at_a_loose_slo_is_dp_ep_for_throughput():
+    # where DP+EP wins for a physical reason: long contexts at a loose TPOT SLO put hundreds of
+    # sequences in flight, and TP8 reads every sequence's MLA latent on every rank (and holds a
+    # copy of the cache on each) while each DP rank reads only its own sequences'
+    spec, hw = load_model("deepseek-r1"), parse_gpus("8xH200")
+    w = dict(workload=Workload(2000, 2000), slo=SLO(ttft_ms=10_000, tpot_ms=150))
+    for mtp in (False, True):
+        plan = make_plan(spec, hw, Pins(speculative=mtp), objective="throughput", **w)
+        assert plan.chosen.layout.dp > 1 and plan.chosen.layout.expert_parallel, _label(plan)
+        tp8 = make_plan(spec, hw, Pins(tp=8, dp=1, speculative=mtp), objective="throughput", **w)
+        assert (plan.performance.knee.output_tokens_per_s
+                > tp8.performance.knee.output_tokens_per_s), (mtp, _label(tp8))
 
 
 def test_runner_ups_are_the_best_version_of_their_layout():

@@ -197,6 +197,7 @@ def _cc_at_least(cc: str, value: float) -> bool:
         return False
 
 
+MAX_GPU_BYTES = 16 * 1024 * GiB  # 16 TiB: far beyond any card; a bigger size is a typo
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(GIB|GB|MIB)$")
 
 
@@ -209,6 +210,9 @@ def sized_kind(text: str) -> GPUKind:
     if value <= 0:
         raise InputError(f"bad GPU size '{text}': the memory must be more than 0")
     scale = {"GIB": GiB, "GB": 10**9, "MIB": MiB}[unit]
+    if not value * scale <= MAX_GPU_BYTES:  # also catches a digit string that floats to inf
+        raise InputError(f"bad GPU size '{text[:40]}': at most {MAX_GPU_BYTES // GiB:,} GiB "
+                         "per card")
     return GPUKind(name=text, total_bytes=int(value * scale), compute_capability=None)
 
 
@@ -236,6 +240,12 @@ def cpu_hardware() -> Hardware:
 
 
 _SPEC = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?(?:(\d+)\s*[xX*]\s*)?([A-Za-z0-9][A-Za-z0-9._-]*)$")
+# What any spec may describe, whatever the card: no host holds more GPUs than this (the catalog's
+# max_per_node is the tighter, per-card limit), and no single deployment plan spans more.
+# Beyond them a spec is a typo, and planning it would only search layouts nobody can run.
+MAX_GPUS_PER_NODE = 64
+MAX_CLUSTER_GPUS = 65536
+_MAX_DIGITS = 9  # counts beyond this are refused before int() (and its 4300-digit limit)
 
 
 def parse_gpus(spec: str) -> Hardware:
@@ -248,13 +258,26 @@ def parse_gpus(spec: str) -> Hardware:
         raise InputError(f"malformed --gpus '{spec}': use COUNTxNAME (8xH200), "
                          "NODESxCOUNTxNAME (2x8xH100), COUNTxSIZE (4x24GiB) or cpu")
     first, second, name = m.group(1), m.group(2), m.group(3)
+    if any(g and len(g.lstrip("0")) > _MAX_DIGITS for g in (first, second)):
+        raise InputError(f"--gpus {spec[:80]}: a count that large is not a cluster; at most "
+                         f"{MAX_CLUSTER_GPUS:,} GPUs in all")
     if second is not None:
         nodes, per_node = int(first), int(second)
     else:
         nodes, per_node = 1, int(first) if first else 1
     if nodes < 1 or per_node < 1:
         raise InputError(f"malformed --gpus '{spec}': counts must be at least 1")
+    if nodes * per_node > MAX_CLUSTER_GPUS:
+        raise InputError(f"--gpus {spec}: {nodes * per_node:,} GPUs; vlaunch plans at most "
+                         f"{MAX_CLUSTER_GPUS:,} GPUs in all (NODESxCOUNTxNAME, e.g. 2x8xH100)")
     kind = sized_kind(name) if _SIZE.match(name.upper()) else gpu_kind(name)
+    # An explicit node count lifts the per-card board size only for a card known by its size
+    # alone (1x16x24GiB: a larger server); a catalog card's node is what the catalog says.
+    most = MAX_GPUS_PER_NODE if _SIZE.match(name.upper()) else kind.max_per_node
+    if second is not None and per_node > most:
+        nodes_needed = -(-nodes * per_node // most)
+        raise InputError(f"--gpus {spec}: one node holds at most {most} {kind.name}; "
+                         f"write more nodes, e.g. {nodes_needed}x{most}x{kind.name}")
     if second is None and per_node > kind.max_per_node:
         # A size-only card (24GiB) has no catalog entry: the usual 8-GPU board is assumed,
         # and a bigger server is written with an explicit node count (1x16x24GiB).

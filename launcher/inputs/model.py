@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,7 +242,7 @@ def _load_dir(path: Path) -> ModelSpec:
     try:
         if cfg_path.stat().st_size > _MAX_CONFIG_BYTES:  # a checkpoint or a binary, not JSON
             raise InputError(f"{cfg_path} is too large to be a config.json; {what}")
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        cfg = finite_json_loads(cfg_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"no config.json at {cfg_path}; {what}") from None
     except UnicodeDecodeError:
@@ -264,6 +265,33 @@ def _load_dir(path: Path) -> ModelSpec:
 
 
 _MAX_CONFIG_BYTES = 16 << 20
+_MAX_INT_DIGITS = 30  # far beyond any size in a config; int() itself stops at 4300 digits
+
+
+def _nonfinite(text: str) -> float:
+    raise json.JSONDecodeError(f"{text} is not a finite number", text, 0)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf
+        _nonfinite(text[:40])
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise json.JSONDecodeError(f"an integer of {len(text)} digits (at most {_MAX_INT_DIGITS})",
+                                   text[:40], 0)
+    return int(text)
+
+
+def finite_json_loads(text: str) -> object:
+    """json.loads for files that hold sizes: NaN, Infinity and numbers that overflow to them
+    (Python's json accepts all three) are refused as a JSONDecodeError, so the caller's one-line
+    error reports them instead of arithmetic on them failing with a traceback much later."""
+    return json.loads(text, parse_constant=_nonfinite, parse_float=_finite_float,
+                      parse_int=_bounded_int)
 
 
 def _header_counts(folder: Path) -> tuple[tuple[str, int], ...]:
@@ -292,7 +320,7 @@ def _index_total(index: Path) -> int | None:
     index that is not a JSON object, or a total that is not a positive integer, is a broken
     checkpoint (vLLM cannot load it either) and would size the weights wrongly."""
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
+        data = finite_json_loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"cannot read {index}: {e}; re-download the checkpoint") from None
     if not isinstance(data, dict):

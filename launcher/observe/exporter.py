@@ -52,10 +52,11 @@ from .families import (
 from .gpus import GpuReader, GpuRecord, default_gpu_reader, to_gpu_record
 from .metrics_server import MetricsServer
 from .scrapeclient import fetch_page, metrics_url
+from .shared_read import SharedRead
 from .vllmpage import DROP_REASONS, NEEDED_FAMILIES, ScrapeError, VllmSnapshot, parse_vllm_metrics
 
 DEFAULT_PORT = 9400
-DEFAULT_BIND = "0.0.0.0"
+DEFAULT_BIND = "127.0.0.1"  # this machine only, unless the caller says otherwise
 DEFAULT_TIMEOUT_S = 2.0
 # Short enough that a dashboard never sees a value older than one Prometheus scrape interval,
 # long enough that several Prometheus replicas scraping together hit vLLM once.
@@ -123,6 +124,7 @@ class Exporter:
         self._seen_up = False
         self._window: tuple[int, float] | None = None  # (id of the plan, its start-up deadline)
         self._gpu_duration: float | None = None
+        self._gpu_read: SharedRead | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._server = MetricsServer(self.registry)
@@ -243,9 +245,15 @@ class Exporter:
     def _gpus(self) -> list[GpuRecord]:
         if self.gpu_reader is None:
             return []
+        shared = self._gpu_read
+        if shared is None or shared.reader is not self.gpu_reader:
+            # One NVML read in flight at a time, shared by concurrent scrapes for the cache TTL;
+            # a scrape waits for it at most timeout_s (a stuck NVML stalls one scrape, not all).
+            shared = self._gpu_read = SharedRead(self.gpu_reader, ttl_s=self.cache_ttl_s,
+                                                 timeout_s=self.timeout_s)
         t0 = time.perf_counter()
         try:
-            records = [to_gpu_record(r) for r in self.gpu_reader()]
+            records = [to_gpu_record(r) for r in shared.read()]
         except Exception:  # a GPU fell off the bus, NVML hiccup: count it, keep serving
             with self._lock:
                 self._errors["gpu", "read_failed"] += 1

@@ -34,15 +34,34 @@ MAX_REDIRECTS = 3
 MAX_STUCK_FETCHES = 8
 
 
+def without_credentials(url: str) -> str:
+    """`url` with any `user:password@` removed: what vlaunch may print or keep."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 def metrics_url(vllm_url: str) -> str:
-    """`http://host:8000` (or with a trailing `/metrics`) -> the /metrics URL; InputError else."""
+    """`http://host:8000` (or with a trailing `/metrics`) -> the /metrics URL; InputError else.
+
+    Credentials embedded in the URL (`http://user:pw@host`) are dropped here, so that no
+    message, log line or label can ever show them: vLLM's /metrics needs none, and the fetch
+    never sent them (a proxy's own credentials come from the proxy variables, as before)."""
     url = vllm_url.strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
         raise InputError(
-            f"--vllm-url {vllm_url!r} is not an http(s) URL; "
+            f"--vllm-url {without_credentials(vllm_url)[:200]!r} is not an http(s) URL; "
             "pass the server's base URL, e.g. http://127.0.0.1:8000"
         )
+    url = without_credentials(url)
     return url if url.endswith("/metrics") else url + "/metrics"
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or default
 
 
 
@@ -155,8 +174,12 @@ class _Exchange:
             location = resp.getheader("Location")
             if resp.status in (301, 302, 303, 307, 308) and location:
                 url = urllib.parse.urljoin(url, location)
-                if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-                    raise ScrapeError("http_status", f"{self.url} redirects to {url}")
+                if _origin(url) != _origin(self.url):
+                    # Another host, port or scheme is not the vLLM we were pointed at: a page
+                    # from there would be parsed as its metrics (and a loopback-only service
+                    # reached on the exporter's behalf). Same-origin moves are still followed.
+                    raise ScrapeError("http_status", f"{self.url} redirects to another origin "
+                                      f"({without_credentials(url)[:200]}); not followed")
                 with self._lock:
                     conn, self._conn = self._conn, None
                 if conn is not None:

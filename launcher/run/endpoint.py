@@ -55,6 +55,11 @@ class Actual:
         return d
 
 
+# The paths vLLM checks the key on (vllm/entrypoints/serve/middleware/authenticate.py
+# GUARDED_PREFIX); every other path is sent without it.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
 def api_key(args: Sequence[str], env: Mapping[str, str | None]) -> str | None:
     """vLLM's key: `--api-key` (first one), else VLLM_API_KEY as vLLM will see it (`env` is
     what we add to, or remove from, our own environment)."""
@@ -96,7 +101,8 @@ class Endpoint:
 
     def request(self, path: str, data: bytes | None, timeout: float) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        if self.api_key:
+        if self.api_key and path.startswith(GUARDED_PREFIXES):
+            # Only where vLLM checks it: /health and /metrics never carry the key.
             headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(self.base_url + path, data=data, headers=headers,
                                      method="POST" if data is not None else "GET")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from ..paths import cache_dir
+from ..paths import cache_dir, create_private
 
 LOG_MAX_BYTES = 64 << 20
 """A log file is rotated to `<name>.1` past this size (one backup): at most twice this on disk
@@ -74,16 +74,20 @@ class OutputLog:
     # --- writing -----------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Open (or make) the log file for appending; this run's output starts at its end."""
+        """Make the log file: always a new one, 0600, never through a symlink (O_EXCL |
+        O_NOFOLLOW; paths.create_private). A name that exists already (tune's predictable
+        `vllm-trialN.log` on a resume, or a planted link) gets the next free `NAME-2.log`, and
+        `path` says which file it is."""
         if self.path is None:
             logs = cache_dir() / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".log", dir=logs)
-            os.close(fd)
+            fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".log", dir=logs)  # O_EXCL, 0600
+            self._file = os.fdopen(fd, "ab", buffering=0)
             self.path = Path(name)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - the pump's
-        self._offset = self._file_bytes = self._size()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file, self.path = create_private(self.path)
+        self._offset = self._file_bytes = 0
 
     def close(self) -> None:
         """Close the file when the pump never started (the program could not be run)."""
@@ -105,13 +109,6 @@ class OutputLog:
             self._reader.join(timeout=5)
         if self._echo_thread is not None:
             self._echo_thread.join(timeout=2)
-
-    def _size(self) -> int:
-        try:
-            st = os.stat(self.path) if self.path else None
-        except OSError:
-            return 0
-        return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else 0
 
     def _pump(self, pipe: IO[bytes]) -> None:
         """Drain the output into the log, the echo queue and `on_line`.
@@ -160,7 +157,8 @@ class OutputLog:
             os.replace(self.path, self._backup_path())
             self._rotations += 1
         finally:
-            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
+            # the same name, new and private; a link planted there since is not followed
+            self._file, _ = create_private(self.path, tries=1)
 
     def _backup_path(self) -> Path:
         assert self.path is not None

@@ -44,6 +44,71 @@ _NODE_FLAGS = (
 )  # fmt: skip
 
 
+# What a plan may carry into the command (plan.json is a file on a shared volume: whoever can
+# write it must not be able to choose what runs). The planner writes only VLLM_ tuning variables
+# (launcher/predict/planner.py Plan.env) and the flags below (Plan.vllm_args, serving_flags,
+# ep_backend, speculative); anything else is refused, not dropped, so a tampered plan fails
+# loudly. Single-node `exec` re-plans from the plan's fields and never runs its argv.
+PLAN_ENV_PREFIXES = ("VLLM_",)
+# VLLM_ names that load code, relax deserialization, open debug endpoints, move files or
+# carry secrets (vllm/envs.py): never from a plan, even with the right prefix.
+PLAN_ENV_REFUSED = frozenset({
+    "VLLM_PLUGINS", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_SERVER_DEV_MODE",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_DEBUG_LOG_API_SERVER_RESPONSE",
+    "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", "VLLM_RPC_BASE_PATH",
+    "VLLM_USE_MODELSCOPE", "VLLM_API_KEY", "VLLM_HOST_IP",
+})  # fmt: skip
+# Flags the planner emits: those that take one value, and switches.
+PLAN_VALUE_FLAGS = frozenset({
+    "--model", "--served-model-name", "--tensor-parallel-size", "--pipeline-parallel-size",
+    "--data-parallel-size", "--max-model-len", "--kv-cache-dtype", "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
+    "--reasoning-parser", "--tool-call-parser", "--chat-template", "--tokenizer-mode",
+    "--all2all-backend", "--speculative-config",
+})  # fmt: skip
+PLAN_SWITCHES = frozenset({
+    "--enable-expert-parallel", "--enable-chunked-prefill", "--enforce-eager",
+    "--enable-reasoning", "--enable-auto-tool-choice",
+})  # fmt: skip
+
+
+def _refuse(what: str) -> InputError:
+    return InputError(f"plan.json carries {what}, which `vlaunch plan` never writes; refusing "
+                      "a tampered or hand-edited plan: re-run `vlaunch plan --emit`")
+
+
+def check_plan_env(env: Mapping[str, object]) -> dict[str, str]:
+    """The plan's environment as strings, if every name is one the planner could have written."""
+    out = {}
+    for key, value in env.items():
+        name = str(key)
+        if not name.startswith(PLAN_ENV_PREFIXES) or name in PLAN_ENV_REFUSED:
+            raise _refuse(f"the environment variable {name[:64]!r}")
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise _refuse(f"a non-scalar value for {name}")
+        out[name] = str(value)
+    return out
+
+
+def check_plan_flags(args: Sequence[str]) -> None:
+    """Every argument is a planner flag or the value right after one (no positionals)."""
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name, eq, _ = a.partition("=")
+        if name in PLAN_SWITCHES and not eq:
+            i += 1
+        elif name in PLAN_VALUE_FLAGS:
+            if eq:
+                i += 1
+                continue
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise _refuse(f"{name} without a value")
+            i += 2
+        else:
+            raise _refuse(f"the argument {a[:64]!r}")
+
+
 @dataclass(frozen=True)
 class LwsEnv:
     """What the LeaderWorkerSet controller tells each pod about its group."""
@@ -197,7 +262,11 @@ def build_launch(
     if backend not in BACKENDS:
         raise InputError(f"distributed_executor_backend={backend!r}; expected mp or ray")
     _check_plan_args(args, tp, pp, dp, ep)
-    env = {str(k): str(v) for k, v in (plan.get("env") or {}).items()}
+    check_plan_flags(args)
+    raw_env = plan.get("env") or {}
+    if not isinstance(raw_env, Mapping):
+        raise InputError("plan `env` is not an object; emit a plan from `vlaunch plan`")
+    env = check_plan_env(raw_env)
     serve = [*program, *args]
     backend_flag = ["--distributed-executor-backend", "ray"] if backend == "ray" else []
 

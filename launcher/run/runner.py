@@ -366,10 +366,17 @@ class VllmRunner:
         if self._proc is not None and self._proc.poll() is not None:
             return False
         try:
+            # Ownership first, before a single request is sent: a listener that took the port
+            # ahead of our child must not see our requests (and /v1 ones carry the key). A bare
+            # TCP connect (no bytes) tells whether anyone listens yet, cheaply; only then is the
+            # listener's owner looked up (a scan of every process's sockets).
+            if self._proc is not None:
+                if not self.port_answers():
+                    return False
+                if self.owns_port() is False:
+                    self.foreign_listener = True
+                    return False
             if not self.endpoint.healthy():
-                return False
-            if self._proc is not None and self.owns_port() is False:
-                self.foreign_listener = True
                 return False
             return self.endpoint.serves_model()
         except (OSError, ValueError, AttributeError):

@@ -42,12 +42,14 @@ from ..predict.budget import GiB
 from ..predict.capabilities import lesson_key, record_lesson
 from ..predict.planner import Pins, Plan, make_plan
 from ..predict.replan import merge_args, replan_pins
+from ..redact import command_line_warning, redact_args, redact_env
 from ..render import plan_text
 from ..term import command as command_lines
 from ..term import fit, width
 from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadline_s
+from .exposure import exposure_warning, with_host
 from .logpump import prefixed_echo
 from .runner import VllmRunner
 from .vllmargs import VLLM_COMMAND_ENV, arg_value, free_port, serve_both_names, vllm_command
@@ -56,9 +58,12 @@ from .vllmargs import VLLM_COMMAND_ENV, arg_value, free_port, serve_both_names, 
 @dataclass
 class Attempt:
     number: int
-    args: list[str]
+    args: list[str]  # as run, less secrets: results are printed (--format json) and kept
     outcome: str
     detail: str = ""
+
+    def __post_init__(self) -> None:
+        self.args = redact_args(self.args)
 
 
 @dataclass
@@ -250,14 +255,15 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           startup_timeout: float | None = None, port: int | None = None,
           stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
           out: Callable[[str], None] = print,
-          plan_hook: Callable[[Plan], Plan] | None = None) -> ServeResult:
+          plan_hook: Callable[[Plan], Plan] | None = None,
+          host: str | None = None) -> ServeResult:
     """Run the whole loop; returns when vLLM exits (or start-up finally failed, or a signal
     stopped it: exit code 128 + the signal, no restart, nothing learnt)."""
     loop = _ServeLoop(spec, hw, pins, list(extra), max_attempts=max_attempts, quiet=quiet,
                       verbose=verbose, dry_run=dry_run, metrics_port=metrics_port,
                       metrics_bind=metrics_bind, log_dir=log_dir, goals=goals or {},
                       startup_timeout=startup_timeout, port=port, stop_timeout=stop_timeout,
-                      out=out, plan_hook=plan_hook)
+                      out=out, plan_hook=plan_hook, host=host)
     return loop.run()
 
 
@@ -283,6 +289,7 @@ class _ServeLoop:
     stop_timeout: float
     out: Callable[[str], None]
     plan_hook: Callable[[Plan], Plan] | None
+    host: str | None = None  # vLLM's --host; None: loopback (exposure.with_host)
     result: ServeResult = field(default_factory=lambda: ServeResult(exit_code=1))
     exporter: Any = None
     transient_retried: bool = False
@@ -300,6 +307,8 @@ class _ServeLoop:
         self.pins, self.extra, pin_notes = pins_from_extra(self.pins, self.extra)
         for n in pin_notes:
             self.out(f"vlaunch: {n}")
+        if warning := command_line_warning(self.extra):
+            self.out(f"vlaunch: {warning}")
         self.original = self.pins
         # One API port for every attempt, so the exporter (up from the start, showing
         # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
@@ -350,11 +359,13 @@ class _ServeLoop:
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.dry_run:
             runner = VllmRunner(args, env=env)
-            self.result.command, self.result.env = list(runner.argv), env
+            # what is shown and returned (--format json) never holds a key
+            self.result.command, self.result.env = redact_args(runner.argv), redact_env(env)
             how = "--port" if self.user_port else "vLLM's default; a real run takes a free one"
             for line in fit([f"  vlaunch would run (port {self.api_port}, {how}):"], width()):
                 self.out(line)
-            for line in command_lines(runner.argv, width(), indent="    ", env=env):
+            for line in command_lines(redact_args(runner.argv), width(), indent="    ",
+                                      env=redact_env(env)):
                 self.out(line)
             self.result.exit_code = 0
             return None
@@ -369,6 +380,9 @@ class _ServeLoop:
         args, notes = merge_args(serve_both_names(d["vllm_args"]), self.extra)
         if "--port" not in args:
             args += ["--port", str(self.api_port)]
+        args = with_host(args, self.host)  # loopback unless the user chose a host
+        if not self.result.attempts and (warning := exposure_warning(args, d["env"])):
+            self.out(f"vlaunch: {warning}")
         args = with_drain(args, d.get("vllm_version"), self.stop_timeout)
         for n in notes:
             self.out(f"vlaunch: {n}")
@@ -516,7 +530,8 @@ def _run_pre_command(pre: list[str], out: Callable[[str], None]) -> int:
 
 def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list[str],
                 log_path: Path | None, stop_timeout: float, startup_timeout: float | None,
-                verbose: bool, on_phase: Callable[[str], None] | None = None) -> VllmRunner:
+                verbose: bool, on_phase: Callable[[str], None] | None = None,
+                host: str | None = None) -> VllmRunner:
     """The runner for one node: `vllm serve ...` with the plan's arguments, or the node's
     own program (a Ray worker's `ray start --block`) run verbatim."""
     from .multinode import VLLM_PROGRAM
@@ -538,6 +553,7 @@ def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list
     if launch.serves_api:
         if port and "--port" not in args:
             args += ["--port", str(port)]
+        args = with_host(args, host)  # loopback unless the user chose a host
         args = with_drain(args, d.get("vllm_version"), stop_timeout)
     deadline = startup_timeout or (STARTUP_SECONDS_BASE
                                    + d["model"]["weights_bytes"] / STARTUP_BYTES_PER_SECOND)
@@ -550,7 +566,8 @@ def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list
 def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: int | None,
              metrics_bind: str, log_dir: Path, dry_run: bool, verbose: bool,
              startup_timeout: float | None, stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
-             extra: list[str] | None = None, out: Callable[[str], None] = print) -> int:
+             extra: list[str] | None = None, out: Callable[[str], None] = print,
+             host: str | None = None) -> int:
     """One node of a multi-node plan (`launcher.run.multinode.NodeLaunch`), supervised.
 
     The leader is watched like `serve` (ready, planned vs actual, exporter); a headless worker
@@ -560,16 +577,21 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
     log_path = log_dir / f"vllm-{new_run_id()}-{launch.role}{launch.node_rank}.log"
     runner = node_runner(launch, d, port=port, extra=list(extra or []), log_path=log_path,
                          stop_timeout=stop_timeout, startup_timeout=startup_timeout,
-                         verbose=verbose, on_phase=lambda phase: out(f"  {launch.role}: {phase}"))
+                         verbose=verbose, on_phase=lambda phase: out(f"  {launch.role}: {phase}"),
+                         host=host)
+    if launch.serves_api and (warning := exposure_warning(runner.vllm_args, launch.env)):
+        out(f"vlaunch: {warning}")
+    if warning := command_line_warning(runner.argv):
+        out(f"vlaunch: {warning}")
     if dry_run:
         cols = width()
         for pre in launch.pre_commands:
             out(f"  {launch.role} {launch.node_rank}, first:")
-            for line in command_lines(pre, cols, indent="    "):
+            for line in command_lines(redact_args(pre), cols, indent="    "):
                 out(line)
         out(f"  {launch.role} {launch.node_rank} would run:")
-        for line in command_lines(runner.argv, cols, indent="    ",
-                                  env=dict(sorted(launch.env.items()))):
+        for line in command_lines(redact_args(runner.argv), cols, indent="    ",
+                                  env=dict(sorted(redact_env(launch.env).items()))):
             out(line)
         return 0
     if launch.serves_api:

@@ -62,8 +62,10 @@ from ..inputs.prompts import PromptSet, builtin_prompts
 from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
+from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
 from . import tune_acceptance
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
+from .exposure import exposure_warning, with_host
 from .loadgen import LoadGenerator
 from .runner import VllmRunner
 from .tune_candidates import TrialSpec, build_candidates, finished_first
@@ -117,14 +119,21 @@ def parse_budget(text: str | float | int) -> float:
 def parse_candidate(text: str) -> list[str]:
     """One `--candidate`: vLLM flags measured on top of the defaults baseline, e.g.
     "--max-num-seqs 16" (a user's own idea, measured like the planner's)."""
+    shown = redact_text(text)  # an error message must not echo a key either
     try:
         args = shlex.split(text)
     except ValueError as e:
-        raise InputError(f"malformed --candidate {text!r}: {e}") from None
+        raise InputError(f"malformed --candidate {shown!r}: {e}") from None
     if not args or not args[0].startswith("--"):
-        raise InputError(f"--candidate {text!r}: give vLLM flags, e.g. \"--max-num-seqs 16\"")
+        raise InputError(f"--candidate {shown!r}: give vLLM flags, e.g. \"--max-num-seqs 16\"")
     if arg_value(args, "--model") or arg_value(args, "--port"):
         raise InputError("--candidate must not set --model or --port (tune sets them)")
+    if flags := secret_flags(args):
+        # A secret is no tuning knob, and a candidate's flags are printed and saved in
+        # tune.json and plan.json: refused before anything can echo or record it.
+        env = " / ".join(SECRET_FLAGS[f] for f in flags)
+        raise InputError(f"--candidate must not carry {' or '.join(flags)} (it would be saved "
+                         f"in tune.json and plan.json); set {env} in the environment instead")
     return args
 
 
@@ -221,7 +230,9 @@ LoadgenFactory = Callable[[Path], Any]
 
 
 def _default_runner(args: list[str], env: dict[str, str | None], **kw: Any) -> VllmRunner:
-    return VllmRunner(args, env=env, **kw)
+    # Trials are measured from this machine: vLLM listens on loopback only (a candidate's own
+    # --host wins, and is warned about by the caller when it reaches beyond this machine).
+    return VllmRunner(with_host(args), env=env, **kw)
 
 
 def _default_loadgen(log_path: Path) -> LoadGenerator:
@@ -469,7 +480,10 @@ class Tuner:
         self.save()
         self.progress.line(f"start {n}/{self.opts.max_starts} (rung {rung}): {t.name}")
         if self.opts.verbose:
-            self.progress.line("  vllm " + shlex.join(t.vllm_args))
+            self.progress.line("  vllm " + shlex.join(redact_args(t.vllm_args)))
+        if arg_value(t.vllm_args, "--host") and (warning := exposure_warning(t.vllm_args,
+                                                                              t.env)):
+            self.progress.line(f"  {warning}")
         env: dict[str, str | None] = dict(t.env)
         if arg_value(t.vllm_args, "--kv-cache-memory-bytes"):
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would replace the pinned bytes
@@ -480,6 +494,8 @@ class Tuner:
         t0 = time.monotonic()
         with runner, runner.forward_signals():
             runner.start()
+            # the log is always a new file: a resumed run's old one keeps its name
+            rec["log"] = str(getattr(runner, "log_path", None) or log_path)
             outcome = self._wait_ready(runner, t)
             rec["startup_s"] = round(time.monotonic() - t0, 1)
             if not outcome.ready:
@@ -612,7 +628,7 @@ class Tuner:
         self.out(f"  why: {rec['why']}")
         self.out(f"  {self.dir / TUNE_FILE}; run it: vlaunch exec --plan "
                  f"{self.dir / 'plan.json'}" + (
-                     " -- " + shlex.join(plan["tuned"]["extra_args"])
+                     " -- " + shlex.join(redact_args(plan["tuned"]["extra_args"]))
                      if plan["tuned"].get("extra_args") else ""))
         if self.opts.plot:
             self._plot()

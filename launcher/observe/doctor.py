@@ -34,6 +34,7 @@ from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_t
 from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
 from ..predict.planner import Pins, inputs_from_plan, make_plan
 from ..predict.replan import merge_args, replan_pins
+from ..redact import SECRET_FLAGS
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
@@ -418,9 +419,9 @@ def _log_args(facts: Facts) -> list[str]:
     return out
 
 
-# vLLM arguments whose values are secrets, and the environment variable a command reads
-# instead (vLLM itself reads VLLM_API_KEY; huggingface_hub reads HF_TOKEN).
-SECRET_ARGS = {"api_key": "VLLM_API_KEY", "hf_token": "HF_TOKEN"}
+# vLLM arguments whose values are secrets (as "non-default args" names them), and the
+# environment variable a command reads instead: launcher.redact's one list.
+SECRET_ARGS = {flag[2:].replace("-", "_"): env for flag, env in SECRET_FLAGS.items()}
 _SECRET_MARK = "\0env:"
 
 

@@ -693,3 +693,26 @@ def test_a_kv_size_alternative_is_offered_only_when_the_planner_fits_it(tmp_path
         d = doctor.diagnose(str(log), ctx)[0].root
         offers = [x for x in d.explain if "--kv-cache-memory-bytes" in x]
         assert offers and all(("does not fit" in x) != fits for x in offers), (gpus, offers)
+
+
+def test_reading_a_log_never_reaches_the_hub(tmp_path, monkeypatch):
+    """The model a log names is looked up on this machine only (folder, profile, HF cache):
+    a Hub id it has nowhere is no planner check, and no network call is tried."""
+    from launcher.inputs import hub
+
+    real = hub.fetch
+
+    def no_network(*a, **k):  # the real fetch refuses offline; online it would download
+        assert hub.offline(), "the doctor let a Hub look-up go online"
+        return real(*a, **k)
+
+    monkeypatch.setattr(hub, "fetch", no_network)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    log = _write_log(tmp_path, {"model": "nobody/nothing-here", "max_model_len": 4096},
+                     "ValueError: Free memory on device cuda:0 (30.00/79.19 GiB) on startup is "
+                     "less than desired GPU memory utilization (0.9, 71.27 GiB). Decrease GPU "
+                     "memory utilization or reduce GPU memory used by other processes.")
+    d = doctor.diagnose(str(log))[0].root
+    assert d.cause == "free_memory_below_utilization"
+    assert any("not checked by vlaunch's planner" in x for x in d.explain)
+    assert "HF_HUB_OFFLINE" not in os.environ  # restored

@@ -169,7 +169,7 @@ def _quiet(raw: str) -> bool:
     if " ERROR " in head or " CRITICAL " in head:
         return False
     return (" INFO " in head or " WARNING " in head or " DEBUG " in head
-            or head.startswith(("INFO:", "WARNING:", "DEBUG:")))
+            or head.startswith(("INFO:", "WARNING:", "DEBUG:", "INFO ", "WARNING ", "DEBUG ")))
 
 
 def phase_of(content: str) -> tuple[str, str] | None:
@@ -616,9 +616,10 @@ class _Hit:
         if not line.wrapper:
             self.wrapped_only = False
             self.ranks.add(line.rank or "")
-        text = shown(line.text)
-        if len(self.evidence) < MAX_EVIDENCE and text not in self.evidence:
-            self.evidence.append(text)
+        if len(self.evidence) < MAX_EVIDENCE:
+            text = shown(line.text)
+            if text not in self.evidence:
+                self.evidence.append(text)
 
 
 # Terminal control characters (an escape sequence in a log must not repaint the reader's
@@ -728,18 +729,21 @@ class Scanner:
             elif _has_context(raw):
                 self._context(raw)
             return
-        hint = _RULE_HINT.search(raw) is not None
-        if (raw[:1].isspace() or "]  " in raw or "] \t" in raw) and (
-                not hint or _SOURCE.match(raw.split("] ", 1)[-1].strip())):
+        if raw[:1].isspace() or "]  " in raw or "] \t" in raw:
             # A traceback's frame or source line ("    raise ValueError(...)"): neither an
             # error message nor a marker; the message itself follows as "ValueError: ...".
             # An indented message (pydantic's "  Value error, ...") still counts.
-            return
+            if _SOURCE.match(raw.split("] ", 1)[-1].strip()) or not _RULE_HINT.search(raw):
+                return
+            hint = True
+        else:
+            hint = _RULE_HINT.search(raw) is not None
         line = split_line(self.count, raw)
         content = line.content
         if not content:
             return
-        if not line.indented and _has_context(content):
+        if line.level not in ("ERROR", "CRITICAL") and not line.indented \
+                and _has_context(content):
             self._context(content)
         if not line.errorish:
             return

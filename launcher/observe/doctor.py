@@ -16,8 +16,10 @@ will not fit is replaced by one that does, or dropped with the planner's reason.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import re
 import shlex
 import socket
@@ -32,6 +34,7 @@ from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_t
 from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
 from ..predict.planner import Pins, inputs_from_plan, make_plan
 from ..predict.replan import merge_args, replan_pins
+from ..redact import SECRET_FLAGS
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
@@ -416,9 +419,9 @@ def _log_args(facts: Facts) -> list[str]:
     return out
 
 
-# vLLM arguments whose values are secrets, and the environment variable a command reads
-# instead (vLLM itself reads VLLM_API_KEY; huggingface_hub reads HF_TOKEN).
-SECRET_ARGS = {"api_key": "VLLM_API_KEY", "hf_token": "HF_TOKEN"}
+# vLLM arguments whose values are secrets (as "non-default args" names them), and the
+# environment variable a command reads instead: launcher.redact's one list.
+SECRET_ARGS = {flag[2:].replace("-", "_"): env for flag, env in SECRET_FLAGS.items()}
 _SECRET_MARK = "\0env:"
 
 
@@ -514,12 +517,29 @@ def context_from_log(report: Report) -> PlanContext | None:
     else:
         return None
     try:
-        spec = load_model(model)
+        with _offline():
+            spec = load_model(model)
         hw = parse_gpus(gpus)
         pins = Pins()
         return PlanContext(spec, hw, pins, None, gpus, source="log")
     except InputError:
         return None
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """The model as this machine has it (a folder, a profile, the HF cache) and never the Hub:
+    reading a log must not reach the network (huggingface_hub's own HF_HUB_OFFLINE switch,
+    which launcher.inputs.hub honours, set for the look-up and restored)."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
 
 
 # The failed launch's vLLM arguments ("non-default args") that are planner pins.

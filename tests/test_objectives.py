@@ -11,7 +11,7 @@ from launcher.cli import cli
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
-from launcher.inputs.workload import PRESETS, SLO, parse_slo, resolve_workload
+from launcher.inputs.workload import PRESETS, SLO, fit_to_context, parse_slo, resolve_workload
 from launcher.predict.planner import Pins, make_plan
 
 
@@ -144,3 +144,20 @@ def test_exec_replans_for_the_workload_the_plan_was_made_for(tmp_path):
     again = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"),
                       Pins(vllm_version=d["vllm_version"]), **goals)
     assert again.to_dict()["performance"]["input_len"] == 8192
+
+
+@pytest.mark.parametrize("context", [2, 3, 100, 1024, 1279, 1280, 4096])
+def test_an_assumed_workload_is_scaled_into_the_context_a_given_one_never(context: int):
+    assumed = resolve_workload()
+    fitted = fit_to_context(assumed, context)
+    assert fitted.input_len >= 1 and fitted.output_len >= 1
+    assert fitted.input_len + fitted.output_len == min(context, 1280)
+    assert fitted.assumed and fitted.name == assumed.name
+    given = resolve_workload(input_len=1024, output_len=256)
+    assert fit_to_context(given, context) == given
+
+
+def test_a_pinned_short_context_plans_the_assumed_workload_scaled_and_says_so():
+    p = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"), Pins(max_model_len=1024))
+    assert p.fits
+    assert any("assumed workload" in r and "1,024-token context" in r for r in p.reasons)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.paths import cache_dir
-from launcher.run.tinymodel import write_model_dir
+from launcher.run.tinymodel import _write_tokenizer, write_model_dir
 
 GENERATOR_VERSION = 1
 STAMP_FILE = ".vlaunch-tinyhybrid.json"
@@ -90,8 +90,6 @@ def _current(path: Path, kind: str) -> bool:
 def _write(out: Path, kind: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .tinymodel import _write_tokenizer
 
     cfg = config_dict(kind)
     torch.manual_seed(SEED)

@@ -8,6 +8,7 @@ so a user need not know their token counts; the plan always says which lengths i
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -80,6 +81,17 @@ def resolve_workload(input_len: int | None = None, output_len: int | None = None
     if preset is None and (input_len is not None or output_len is not None):
         name = "custom"
     return Workload(input_len or d_in, output_len or d_out, name, assumed)
+
+
+def fit_to_context(w: Workload, context: int) -> Workload:
+    """An assumed workload (nobody asked for it) that would not fit `context` is scaled down to
+    it, both lengths in proportion; a workload the user gave is returned as it is (the planner
+    refuses it: a request longer than the context can never be served)."""
+    need = w.input_len + w.output_len
+    if not w.assumed or need <= context or context < 2:
+        return w
+    out = max(1, min(w.output_len * context // need, context - 1))
+    return dataclasses.replace(w, input_len=context - out, output_len=out)
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)\s*$")

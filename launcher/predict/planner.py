@@ -20,7 +20,13 @@ from typing import Any
 from ..errors import InputError
 from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec, Quant
-from ..inputs.workload import SLO, Workload, check_objective, resolve_workload
+from ..inputs.workload import (
+    SLO,
+    Workload,
+    check_objective,
+    fit_to_context,
+    resolve_workload,
+)
 from . import budget as B
 from . import rank, search, serving
 from .candidates import (  # noqa: F401 - the planner's public names, kept for its callers
@@ -325,6 +331,13 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                          f"of {spec.max_context:,} tokens (vLLM refuses it without "
                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
     _check_request(spec, pins, workload)
+    fitted = fit_to_context(workload, pins.max_model_len or spec.max_context)
+    if fitted != workload:
+        reasons.append(f"the assumed workload ({workload.input_len:,} + {workload.output_len:,} "
+                       f"tokens) is longer than the {fitted.input_len + fitted.output_len:,}-"
+                       f"token context: predicted at {fitted.input_len:,} + "
+                       f"{fitted.output_len:,}")
+        workload = fitted
     scale = B.checkpoint_scale(spec)
     if abs(scale - 1) > 0.01:
         warnings.append(f"the checkpoint index holds {spec.checkpoint_bytes / GiB:.2f} GiB but "

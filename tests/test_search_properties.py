@@ -32,7 +32,8 @@ CASES = [  # model, GPUs: dense and MoE, tight and roomy memory, one node and tw
 ]
 WORKLOADS = [(1024, 256), (8192, 256), (1024, 4096)]
 OBJECTIVES = ["balanced", "throughput", "latency"]
-N_PINS = 320
+SEEDS, PINS_PER_SEED = 16, 80
+"""1,280 random pins in all; those that fit are held to the unpinned plan."""
 
 _PLANS: dict[tuple, object] = {}
 
@@ -53,7 +54,7 @@ def _objective(plan, objective):
     draft = plan.serving.mtp.k if plan.serving.mtp.enabled else 0
     score = rank.objective_score(plan.performance, objective, plan.hardware.count,
                                  c.kv_dtype, draft)
-    return min(c.max_model_len, plan.model.max_context), score
+    return rank.context_rank(c.max_model_len, plan.model.max_context), score
 
 
 def _random_pins(rng, spec, hw, base):
@@ -66,17 +67,19 @@ def _random_pins(rng, spec, hw, base):
         kw["kv_cache_dtype"] = rng.choice(["auto", "fp8"])
     if rng.random() < 0.4:
         kw["max_num_batched_tokens"] = rng.choice([2048, 4096, 8192, 16384])
+    if rng.random() < 0.3:
+        kw["max_num_seqs"] = rng.choice([8, 32, 128, 256, 512, 1024])
     if spec.mtp_layers and rng.random() < 0.5:
         kw.update(rng.choice([{"speculative": False}, {"num_speculative_tokens": 1},
                               {"num_speculative_tokens": 2}, {"num_speculative_tokens": 3}]))
     return Pins(**{k: v for k, v in kw.items() if v is not None})
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(SEEDS))
 def test_no_pin_beats_the_plan_and_no_pin_fits_where_the_plan_does_not(seed):
     rng = random.Random(seed)
     checked = 0
-    for _ in range(N_PINS // 4):
+    for _ in range(PINS_PER_SEED):
         model, gpus = rng.choice(CASES)
         w, objective = rng.choice(WORKLOADS), rng.choice(OBJECTIVES)
         base = _plan(model, gpus, w, objective)
@@ -90,8 +93,8 @@ def test_no_pin_beats_the_plan_and_no_pin_fits_where_the_plan_does_not(seed):
             assert type(e).__name__ == "InputError", e
             continue
         checked += 1
-        if not pinned.fits:
-            continue
+        if not pinned.fits or any("not supported here" in w for w in pinned.warnings):
+            continue  # a pin the planner warns vLLM rejects (fp8 KV before sm89) is no rival
         assert base.fits, (model, gpus, w, objective, pins)  # property (2)
         ours, theirs = _objective(base, objective), _objective(pinned, objective)
         assert theirs[0] <= ours[0], repr((model, gpus, w, objective, pins, ours, theirs))

@@ -367,7 +367,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
                 performance=best.perf, objective=objective, workload=workload, slo=slo,
                 concurrency=concurrency, judged=res.count, timed=res.timed)
     plan.assessments = {id(j.cand): j.perf for j in [best, *runner_ups]}
-    plan.why_not = {id(j.cand): rank.lost_on(j, best, objective) for j in runner_ups}
+    target = pins.max_model_len or spec.max_context
+    plan.why_not = {id(j.cand): rank.lost_on(j, best, objective, target) for j in runner_ups}
     plan.drafts = {id(j.cand): j.knobs.draft for j in runner_ups}
     if pins.pin_kv_memory and not hw.is_cpu:
         warnings.append("--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "

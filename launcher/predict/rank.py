@@ -2,8 +2,10 @@
 
 The order, highest first:
 1. it fits (memory) and holds one request of the workload;
-2. its context, up to the target (the pinned max-model-len, else the model's full context):
-   a plan never trades the context a user can rely on for speed;
+2. its context, up to the target (the pinned max-model-len, else the model's full context), in
+   steps of 1/CONTEXT_STEPS of the target: a plan never trades the context a user can rely on
+   for speed, but a few hundred tokens (what a smaller batch frees in activations) are not
+   worth half the throughput;
 3. the objective's figure (perfplan.Assessment.score: output tok/s per GPU at the SLO knee, or
    minus one request's TPOT for latency), discounted by the margin a risky feature must beat
    when the planner (not the user) would turn it on: fp8 KV without calibrated scales
@@ -19,6 +21,15 @@ from typing import Any
 
 from .perfplan import FP8_MARGIN
 from .speculative import mtp_table
+
+CONTEXT_STEPS = 64
+"""Contexts are compared in steps of 1/64 of the target (2,048 tokens of a 131,072 context)."""
+
+
+def context_rank(max_model_len: int, target: int) -> int:
+    """Item 2: the context up to the target, in whole steps (the full target is the top)."""
+    step = max(1, target // CONTEXT_STEPS)
+    return min(max_model_len, target) // step
 
 
 def mtp_margin() -> float:
@@ -72,16 +83,16 @@ def value(j: Any, goal: Any) -> tuple:
     target = goal.pins.max_model_len or goal.spec.max_context
     score = objective_score(j.perf, goal.objective, goal.hw.count, k.kv_dtype, k.draft,
                             bool(goal.pins.kv_cache_dtype), goal.mtp_pinned)
-    return (c.fits, min(c.max_model_len, target), round(score, 9), -k.draft,
+    return (c.fits, context_rank(c.max_model_len, target), round(score, 9), -k.draft,
             round(c.concurrency, 1), -k.layout.pp, -k.layout.dp, k.layout.tp)
 
 
-def lost_on(j: Any, best: Any, objective: str) -> str:
+def lost_on(j: Any, best: Any, objective: str, target: int) -> str:
     """The figure a runner-up lost on, against the chosen candidate's same figure."""
     c, b = j.cand, best.cand
     if not c.fits:
         return c.problem
-    if c.max_model_len < b.max_model_len:
+    if context_rank(c.max_model_len, target) < context_rank(b.max_model_len, target):
         return (f"holds only {c.max_model_len:,} tokens of context (chosen: "
                 f"{b.max_model_len:,})")
     if j.perf is None or best.perf is None:

@@ -26,7 +26,7 @@ from . import budget as B
 from . import ep_backend, perf, perfplan, speculative
 from .candidates import Candidate, Pins, evaluate, layouts
 from .capabilities import VersionTraits, batch_defaults
-from .rank import value
+from .rank import context_rank, value
 from .rebudget import rebudget
 
 CHUNK_CHOICES = (2048, 4096, 8192, 16384)
@@ -34,7 +34,7 @@ CHUNK_CHOICES = (2048, 4096, 8192, 16384)
 below the engine's max-num-seqs are skipped (vLLM refuses them). Small chunks keep a mixed
 step short (TPOT) at the cost of more steps per prompt (TTFT)."""
 
-LEAN_SEQS = (256, 64, 16)
+LEAN_SEQS = (256, 128, 64, 32, 16)
 """max-num-seqs tried below vLLM's default only when the default cannot reach the target
 context: fewer sequences shrink the sampler's buffers and CUDA graphs, leaving KV memory."""
 
@@ -295,9 +295,9 @@ def search(goal: Goal) -> Result:
                 keep(j)
                 if len(fitting) > n:
                     extra.append(j)
-        top = min(timed[0].cand.max_model_len, target)
+        top = context_rank(timed[0].cand.max_model_len, target)
         timed += [speed(goal, j, full=False) for j in extra
-                  if min(j.cand.max_model_len, target) >= top]
+                  if context_rank(j.cand.max_model_len, target) >= top]
     timed.sort(key=lambda j: j.value, reverse=True)
     if goal.objective in ("balanced", "latency") and p.max_num_seqs is None \
             and not goal.hw.is_cpu:  # the CPU engine sizes its KV by max-num-seqs: no cap
@@ -312,8 +312,8 @@ def _longest(js: list[Judged], target: int) -> list[Judged]:
     the others lose on context before any is timed."""
     if not js:
         return js
-    top = max(min(j.cand.max_model_len, target) for j in js)
-    return [j for j in js if min(j.cand.max_model_len, target) >= top]
+    top = max(context_rank(j.cand.max_model_len, target) for j in js)
+    return [j for j in js if context_rank(j.cand.max_model_len, target) >= top]
 
 
 def _close(v: float, top: float) -> bool:

@@ -138,8 +138,11 @@ def performance_lines(d: dict[str, Any]) -> list[str]:
              f"objective {perf['objective']}):"]
     k = perf.get("knee")
     if k:
+        r = perf.get("range") or {}
+        likely = (f" (likely {r['low']:,.0f}-{r['high']:,.0f})"
+                  if r.get("low") is not None and r.get("high") is not None else "")
         lines.append(f"    knee: {k['concurrency']:,.0f} in flight, "
-                     f"{k['output_tokens_per_s']:,.0f} output tok/s, "
+                     f"{k['output_tokens_per_s']:,.0f} output tok/s{likely}, "
                      f"{k['requests_per_s']:.2f} req/s, TPOT {k['tpot_ms']:.1f} ms, "
                      f"TTFT {k['ttft_ms']:,.0f} ms (bound by {perf['binding']})")
     else:

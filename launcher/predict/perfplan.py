@@ -53,26 +53,6 @@ class Assessment:
             return -1e9 - self.single.tpot_ms
         return self.knee.output_tokens_per_s / gpus
 
-    def headline(self, objective: str) -> str:
-        """The deciding number alone."""
-        if objective == "latency":
-            return f"TPOT {self.single.tpot_ms:.1f} ms"
-        if self.knee is None:
-            return "misses the SLO"
-        return f"{self.knee.output_tokens_per_s:,.0f} output tok/s"
-
-    def figure(self, objective: str) -> str:
-        """The number that decided, in words."""
-        if objective == "latency":
-            return f"TPOT {self.single.tpot_ms:.1f} ms for one request"
-        if self.knee is None:
-            return f"misses the SLO even alone (TPOT {self.single.tpot_ms:.1f} ms)"
-        k = self.knee
-        lo, hi = perf.value_range("output_tokens_per_s", k.output_tokens_per_s)
-        return (f"{k.output_tokens_per_s:,.0f} output tok/s (likely {lo:,.0f}-{hi:,.0f}) at "
-                f"{k.concurrency:,.0f} concurrent within the SLO (TPOT {k.tpot_ms:.1f} ms, "
-                f"TTFT {k.ttft_ms:,.0f} ms)")
-
 
 def _constants_for(spec: ModelSpec, hw: Hardware, cand: Any, version: str
                    ) -> tuple[perf.Constants, str, list[str]]:

@@ -110,7 +110,7 @@ def expressible(row: dict[str, str]) -> tuple[Workload, float]:
     """The row's workload and concurrency, or InputError saying why it cannot be predicted."""
     if row["engine"] != "vllm":
         raise InputError(f"comparison row ({row['engine']}), not vLLM")
-    if "disaggregated" in row["notes"] or "Prefill-only" in row["notes"]:
+    if "disaggregated" in row.get("setup", row.get("notes", "")):
         raise InputError("prefill/decode disaggregation (separate pools, DBO, DeepEP): "
                          "the model describes one engine serving both phases")
     isl, osl = first_number(row["isl"]), first_number(row["osl"])

@@ -338,3 +338,15 @@ def mixed_h100_a100() -> NVMLScript:
     topo = {frozenset((0, 1)): pynvml.NVML_TOPOLOGY_NODE,
             frozenset((2, 3)): pynvml.NVML_TOPOLOGY_NODE}
     return NVMLScript(gpus, topology=topo, default_topology=pynvml.NVML_TOPOLOGY_SYSTEM)
+
+
+def clean_inventory(monkeypatch) -> None:
+    """Tests of the NVML inventory start and end without device-selection variables and with
+    the inventory's NVML session closed (a generator for an autouse fixture)."""
+    from launcher.inputs import inventory
+
+    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NO_COLOR"):
+        monkeypatch.delenv(var, raising=False)
+    inventory.shutdown()
+    yield
+    inventory.shutdown()

@@ -32,11 +32,7 @@ MiB = ns.MiB
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
-    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NO_COLOR"):
-        monkeypatch.delenv(var, raising=False)
-    inventory.shutdown()
-    yield
-    inventory.shutdown()
+    yield from ns.clean_inventory(monkeypatch)
 
 
 def use(monkeypatch, script: ns.NVMLScript) -> ns.NVMLScript:

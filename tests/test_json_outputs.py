@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-import jsonschema
 import pynvml
 import pytest
 from click.testing import CliRunner
@@ -17,32 +16,20 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import nvml_script as ns  # noqa: E402
+from schema_check import SCHEMAS, schema_errors  # noqa: E402
 
-from launcher import cli as cli_module  # noqa: E402
 from launcher.cli import cli  # noqa: E402
-from launcher.inputs import inventory  # noqa: E402
 
-SCHEMAS = Path(cli_module.__file__).parent / "schemas"
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
 
 
-def _validator(name: str) -> jsonschema.Draft202012Validator:
-    schema = json.loads((SCHEMAS / f"{name}.json").read_text())
-    jsonschema.Draft202012Validator.check_schema(schema)
-    return jsonschema.Draft202012Validator(schema)
-
-
 def _errors(name: str, doc) -> list[str]:
-    return [f"{'/'.join(map(str, e.path))}: {e.message}" for e in _validator(name).iter_errors(doc)]
+    return schema_errors(name, doc)
 
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
-    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NO_COLOR"):
-        monkeypatch.delenv(var, raising=False)
-    inventory.shutdown()
-    yield
-    inventory.shutdown()
+    yield from ns.clean_inventory(monkeypatch)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.log")))

@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from schema_check import schema_errors as _errors
 
 from launcher.cli import cli
-
-jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev dependency")
-
-SCHEMAS = Path(__file__).resolve().parent.parent / "launcher" / "schemas"
-
-
-def _validator(name: str):
-    schema = json.loads((SCHEMAS / f"{name}.json").read_text())
-    jsonschema.Draft202012Validator.check_schema(schema)
-    return jsonschema.Draft202012Validator(schema)
-
-
-def _errors(name: str, doc: dict) -> list[str]:
-    return [f"{list(e.path)}: {e.message}" for e in _validator(name).iter_errors(doc)]
 
 
 @pytest.mark.parametrize("args", [

@@ -26,6 +26,9 @@ from click.testing import CliRunner
 from launcher.cli import cli
 from launcher.errors import InputError
 from launcher.inputs import vllm_failures as vf
+from launcher.inputs import vllm_logfiles as vlf
+from launcher.inputs import vllm_loglines as vll
+from launcher.inputs import vllm_rules as vr
 from launcher.inputs.hardware import parse_gpus
 from launcher.observe import doctor
 from launcher.predict.planner import Pins
@@ -116,7 +119,7 @@ def _diagnose(name: str, ctx=None) -> vf.Report:
     """The fixture's diagnosis: the log-only fixes without a context (what the table below
     pins), or the planner-checked ones with it."""
     if ctx is None:
-        report = vf.scan_source(str(FIXTURES / name))[0]
+        report = vlf.scan_source(str(FIXTURES / name))[0]
         doctor.apply_log_fixes(report)
         return report
     return doctor.diagnose(str(FIXTURES / name), ctx)[0]
@@ -136,7 +139,7 @@ def test_fixture_diagnosis(name: str):
     assert len(report.diagnoses) == 1, [d.cause for d in report.diagnoses]
     d = report.root
     assert (d.cause, d.phase, d.consumer) == (cause, phase, consumer)
-    assert d.consumer in vf.CONSUMERS and d.phase in vf.PHASES
+    assert d.consumer in vr.CONSUMERS and d.phase in vll.PHASES
     if fix_args is not None:
         assert d.fix_args == fix_args
     assert d.fix_env == fix_env
@@ -230,8 +233,8 @@ def test_phases_follow_vllms_markers():
         ("(APIServer pid=1) INFO 11-30 10:00:06 [loggers.py:283] Engine 000: Avg prompt throughput: 1.0 tokens/s", "serving"),
     ]
     for line, phase in lines:
-        assert vf.phase_of(split := vf.split_line(1, line).content)[0] == phase, split
-    assert [p for _, p in lines] == list(vf.PHASES)
+        assert vll.phase_of(split := vll.split_line(1, line).content)[0] == phase, split
+    assert [p for _, p in lines] == list(vll.PHASES)
     report = vf.scan_text("\n".join(x for x, _ in lines))
     assert report.phase == "serving" and report.diagnoses == []
     assert report.facts.number("weights_gib") == 78.45
@@ -250,7 +253,7 @@ def test_warnings_that_mention_failures_are_not_failures():
 def test_overlong_lines_are_cut_and_the_error_after_them_still_found():
     big = "(APIServer pid=1) INFO 11-30 10:00:00 [x.py:1] config: " + "x" * 1_000_000 + "\n"
     text = big + "ValueError: No available memory for the cache blocks. Try increasing ...\n"
-    report, _ = vf.scan_source("-", stdin=io.StringIO(text))
+    report, _ = vlf.scan_source("-", stdin=io.StringIO(text))
     assert report.root.cause == "no_kv_cache_memory"
     assert report.lines == 2
 
@@ -381,7 +384,7 @@ def test_max_len_fix_never_offers_more_kv_bytes_than_the_log_had(tmp_path):
                      "(40960), (5.62 GiB KV cache is needed, which is larger than the available "
                      "KV cache memory (4.32 GiB). Based on the available memory, the estimated "
                      "maximum model length is 31488. Try increasing `gpu_memory_utilization`")
-    report = vf.scan_source(str(log))[0]
+    report = vlf.scan_source(str(log))[0]
     doctor.apply_log_fixes(report)
     d = report.root
     assert d.fix_args == ["--max-model-len", "31488"]
@@ -455,7 +458,7 @@ def test_unreadable_log_is_an_input_error(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(Path, "open", denied)
     with pytest.raises(InputError, match="cannot read"):
-        vf.scan_source(str(log))
+        vlf.scan_source(str(log))
 
 
 # --- serve's retries use the same classifier (issue 12, item 5) ----------------------------------
@@ -528,7 +531,7 @@ def test_failure_classification_sits_below_run_and_observe():
 
 
 @pytest.mark.parametrize("name", sorted(n for n, v in EXPECTED.items()
-                                         if v[0] in vf._NCCL_SPECIFIC))
+                                         if v[0] in vr.NCCL_SPECIFIC))
 def test_nccl_evidence_starts_with_the_line_that_says_why(name):
     """The first evidence line is the WARN/ERROR line that names the failure, never a quoted
     `raise` source line; NCCL's own WARN line beats torch's "NCCL error" summary."""
@@ -610,12 +613,12 @@ def test_only_regular_vllm_logs_are_read(tmp_path: Path):
 
 
 def test_a_log_bigger_than_the_cap_is_read_from_its_tail(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(vf, "MAX_BYTES", 4096)
+    monkeypatch.setattr(vlf, "MAX_BYTES", 4096)
     log = tmp_path / "vllm.log"
     head = (FIXTURES / "kv_short_v032_cpu.log").read_text()
     filler = "(APIServer pid=1) INFO 11-30 10:00:00 [x.py:1] vllm says hello\n" * 500
     log.write_text(head + filler + (FIXTURES / "nccl_socket_closed.log").read_text())
-    report = vf.scan_source(str(log))[0]
+    report = vlf.scan_source(str(log))[0]
     assert report.lines < 200 and report.root.cause == "nccl_socket"
 
 
@@ -658,7 +661,7 @@ def test_skipping_to_the_last_launch_changes_nothing(tmp_path: Path, seed: int):
         p.write_text(part)
         os.utime(p, (1_000_000 + i, 1_000_000 + i))
     for source in (str(one), str(folder)):
-        got = vf.scan_source(source)[0]
+        got = vlf.scan_source(source)[0]
         assert (got.lines, got.launches, got.phase) == (whole.lines, whole.launches, whole.phase)
         assert [d.to_dict() for d in got.diagnoses] == [d.to_dict() for d in whole.diagnoses]
 
@@ -666,13 +669,13 @@ def test_skipping_to_the_last_launch_changes_nothing(tmp_path: Path, seed: int):
 def test_every_rule_match_holds_one_of_its_keys():
     """The keys that let a line skip a rule's pattern must never hide a match: every fixture
     line any rule's pattern matches holds one of that rule's keys."""
-    assert set(vf.RULE_KEYS) == {r.cause for r in vf.RULES}
+    assert set(vr.RULE_KEYS) == {r.cause for r in vr.RULES}
     for path in FIXTURES.glob("*.log"):
         for line in path.read_text().splitlines():
-            content = vf.split_line(0, line).content
-            for rule in vf.RULES:
+            content = vll.split_line(0, line).content
+            for rule in vr.RULES:
                 if rule.pattern.search(content):
-                    assert any(k in content for k in vf.RULE_KEYS[rule.cause]), (rule.cause, line)
+                    assert any(k in content for k in vr.RULE_KEYS[rule.cause]), (rule.cause, line)
 
 
 def test_a_kv_size_alternative_is_offered_only_when_the_planner_fits_it(tmp_path):
@@ -685,7 +688,7 @@ def test_a_kv_size_alternative_is_offered_only_when_the_planner_fits_it(tmp_path
                      "(40960), (40.00 GiB KV cache is needed, which is larger than the available "
                      "KV cache memory (2.00 GiB). Based on the available memory, the estimated "
                      "maximum model length is 2048. Try increasing `gpu_memory_utilization`")
-    report = vf.scan_source(str(log))[0]
+    report = vlf.scan_source(str(log))[0]
     doctor.apply_log_fixes(report)
     assert any("--kv-cache-memory-bytes" in x and "if the device" in x for x in report.root.explain)
     for gpus, fits in (("1xL4", False), ("1xH200", True)):

@@ -30,7 +30,9 @@ from typing import Any, TextIO
 from ..errors import InputError
 from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
-from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_text, to_failure
+from ..inputs.vllm_failures import Diagnosis, Report, scan_text, to_failure
+from ..inputs.vllm_logfiles import scan_source
+from ..inputs.vllm_loglines import Facts
 from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
 from ..predict.planner import Pins, inputs_from_plan, make_plan
 from ..predict.replan import merge_args, replan_pins

@@ -31,6 +31,8 @@ from launcher.inputs import vllm_loglines as vll
 from launcher.inputs import vllm_rules as vr
 from launcher.inputs.hardware import parse_gpus
 from launcher.observe import doctor
+from launcher.observe import doctor_logfix as dlf
+from launcher.observe import doctor_plancheck as dpc
 from launcher.predict.planner import Pins
 from launcher.run import vllmlog
 
@@ -120,7 +122,7 @@ def _diagnose(name: str, ctx=None) -> vf.Report:
     pins), or the planner-checked ones with it."""
     if ctx is None:
         report = vlf.scan_source(str(FIXTURES / name))[0]
-        doctor.apply_log_fixes(report)
+        dlf.apply_log_fixes(report)
         return report
     return doctor.diagnose(str(FIXTURES / name), ctx)[0]
 
@@ -150,7 +152,7 @@ def test_fixture_diagnosis(name: str):
         env = " ".join(f"{k}={v}" for k, v in d.fix_env.items())
         assert d.serve_command.startswith((env + " vlaunch serve ") if env else "vlaunch serve ")
         for flag in d.fix_args[::2]:
-            assert doctor._VLAUNCH_PINS.get(flag, flag) in d.serve_command
+            assert dlf._VLAUNCH_PINS.get(flag, flag) in d.serve_command
 
 
 @pytest.mark.parametrize("name", sorted(UNKNOWN))
@@ -176,7 +178,7 @@ def test_port_in_use_skips_a_busy_port():
         busy.bind(("0.0.0.0", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert doctor.next_free_port(port) != port
+        assert dlf.next_free_port(port) != port
 
 
 def test_eight_ranks_failing_the_same_way_are_one_diagnosis():
@@ -278,8 +280,8 @@ def test_vllmlog_classify_failure_delegates_with_its_kinds():
 
 
 @pytest.fixture(scope="module")
-def h200_ctx() -> doctor.PlanContext:
-    return doctor.context_from_model("deepseek-v3", "8xH200", Pins(), {}, parse_gpus("8xH200"))
+def h200_ctx() -> dpc.PlanContext:
+    return dpc.context_from_model("deepseek-v3", "8xH200", Pins(), {}, parse_gpus("8xH200"))
 
 
 def test_planner_fix_for_kv_shortage_uses_the_measured_estimate(h200_ctx):
@@ -311,7 +313,7 @@ def _pins_of_command(command: str) -> Pins:
     return Pins(**kw)
 
 
-PLANNED = sorted(n for n, v in EXPECTED.items() if v[0] in doctor._PLANNED_CAUSES)
+PLANNED = sorted(n for n, v in EXPECTED.items() if v[0] in dpc.PLANNED_CAUSES)
 
 
 @pytest.mark.parametrize("name", PLANNED)
@@ -331,7 +333,7 @@ def test_every_shown_fix_fits_by_the_planner_and_agrees_with_its_run_line(name, 
             flag = d.fix_args[i]
             if not flag.startswith("--"):
                 continue
-            mine = doctor._VLAUNCH_PINS.get(flag, flag)
+            mine = dlf._VLAUNCH_PINS.get(flag, flag)
             assert mine in words, (flag, d.serve_command)
             if i + 1 < len(d.fix_args) and not d.fix_args[i + 1].startswith("--"):
                 assert words[words.index(mine) + 1] == d.fix_args[i + 1]
@@ -367,7 +369,7 @@ def test_no_kv_memory_fix_the_planner_refuses_is_never_shown(tmp_path):
                                 "gpu_memory_utilization": 0.5},
                      "ValueError: No available memory for the cache blocks. Try increasing "
                      "`gpu_memory_utilization` when initializing the engine.")
-    ctx = doctor.context_from_model("qwen3-8b", "1xL4", Pins(), {}, parse_gpus("1xL4"))
+    ctx = dpc.context_from_model("qwen3-8b", "1xL4", Pins(), {}, parse_gpus("1xL4"))
     d = doctor.diagnose(str(log), ctx)[0].root
     assert d.fix_args != ["--gpu-memory-utilization", "0.55"]
     assert any("0.55" in x and "does not fit" in x for x in d.explain)
@@ -385,7 +387,7 @@ def test_max_len_fix_never_offers_more_kv_bytes_than_the_log_had(tmp_path):
                      "KV cache memory (4.32 GiB). Based on the available memory, the estimated "
                      "maximum model length is 31488. Try increasing `gpu_memory_utilization`")
     report = vlf.scan_source(str(log))[0]
-    doctor.apply_log_fixes(report)
+    dlf.apply_log_fixes(report)
     d = report.root
     assert d.fix_args == ["--max-model-len", "31488"]
     assert not any("--kv-cache-memory-bytes" in x for x in d.explain)
@@ -516,15 +518,17 @@ def test_failure_classification_sits_below_run_and_observe():
     import inside a function: the table imports neither stage, the doctor never imports run,
     and vllmlog reaches the table directly."""
     root = Path(doctor.__file__).parents[1]
-    table = _imports(root / "inputs" / "vllm_failures.py")
-    assert table and all(not m.startswith(("launcher.run", "launcher.observe", "launcher.predict"))
-                         for m, _ in table)
-    for name in ("observe/doctor.py", "run/vllmlog.py", "inputs/vllm_failures.py",
-                 "predict/replan.py"):
+    for part in ("vllm_failures", "vllm_rules", "vllm_loglines", "vllm_logfiles"):
+        table = _imports(root / "inputs" / f"{part}.py")
+        assert all(not m.startswith(("launcher.run", "launcher.observe",
+                                    "launcher.predict")) for m, _ in table), part
+    for name in ("observe/doctor.py", "observe/doctor_logfix.py", "observe/doctor_plancheck.py",
+                 "run/vllmlog.py", "inputs/vllm_failures.py", "inputs/vllm_rules.py",
+                 "inputs/vllm_loglines.py", "inputs/vllm_logfiles.py", "predict/replan.py"):
         found = _imports(root / name)
         assert not [m for m, nested in found if nested], name
-    assert not [m for m, _ in _imports(root / "observe" / "doctor.py")
-                if m.startswith("launcher.run")]
+    for path in (root / "observe").glob("doctor*.py"):
+        assert not [m for m, _ in _imports(path) if m.startswith("launcher.run")], path
     for path in (root / "observe").glob("*.py"):
         assert "launcher.run.serve" not in [m for m, _ in _imports(path)], path
     assert "launcher.observe.doctor" not in [m for m, _ in _imports(root / "run" / "vllmlog.py")]
@@ -548,7 +552,7 @@ def test_shared_memory_advice_matches_vlaunchs_own_manifests():
     import yaml
 
     root = Path(__file__).parents[1]
-    for rel in doctor.SHM_MANIFESTS:
+    for rel in dlf.SHM_MANIFESTS:
         docs = [d for d in yaml.safe_load_all((root / rel).read_text()) if d]
         text = json.dumps(docs)
         assert '"mountPath": "/dev/shm"' in text, rel
@@ -689,10 +693,10 @@ def test_a_kv_size_alternative_is_offered_only_when_the_planner_fits_it(tmp_path
                      "KV cache memory (2.00 GiB). Based on the available memory, the estimated "
                      "maximum model length is 2048. Try increasing `gpu_memory_utilization`")
     report = vlf.scan_source(str(log))[0]
-    doctor.apply_log_fixes(report)
+    dlf.apply_log_fixes(report)
     assert any("--kv-cache-memory-bytes" in x and "if the device" in x for x in report.root.explain)
     for gpus, fits in (("1xL4", False), ("1xH200", True)):
-        ctx = doctor.context_from_model("qwen3-8b", gpus, Pins(), {}, parse_gpus(gpus))
+        ctx = dpc.context_from_model("qwen3-8b", gpus, Pins(), {}, parse_gpus(gpus))
         d = doctor.diagnose(str(log), ctx)[0].root
         offers = [x for x in d.explain if "--kv-cache-memory-bytes" in x]
         assert offers and all(("does not fit" in x) != fits for x in offers), (gpus, offers)

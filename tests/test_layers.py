@@ -107,3 +107,25 @@ def test_pure_models_import_no_planner(name: str):
                 todo.append(t)
     bad = sorted(t for t in reach if t.rsplit(".", 1)[-1] in COMPOSERS)
     assert not bad, f"{module} reaches {bad}"
+
+
+# Modules over the size rule when it was first checked, to be split by what they hold; the list
+# only shrinks (a module on it that is now within the rule fails, so it is taken off).
+_OVER_700 = {"launcher/cli.py", "launcher/inputs/inventory.py", "launcher/inputs/arch.py"}
+
+
+def test_modules_and_classes_stay_small():
+    """No module of launcher/ over 700 lines and no class over 400 (the team's rule): one job
+    per module, named for what it holds."""
+    over, classes = set(), []
+    for p in ROOT.rglob("*.py"):
+        rel = str(p.relative_to(ROOT.parent))
+        text = p.read_text()
+        if text.count("\n") > 700:
+            over.add(rel)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
+                classes.append(f"{rel}:{node.name}")
+    assert over - _OVER_700 == set(), "over 700 lines"
+    assert _OVER_700 - over == set(), "within the rule now: take it off _OVER_700"
+    assert classes == []

@@ -30,8 +30,8 @@ The planner predicts; this module measures. Why each piece is the way it is:
 Parts: `tune_candidates` (what is worth a start), `tune_search` (rungs, the knee search, when a
 point is measured again), `tune_measure` (one running engine: warm-up, search, repeats),
 `tune_acceptance` (MTP acceptance on natural prompts), `tune_report` (the choice, the table,
-the plot). This module runs the loop: the rungs, each
-trial's engine life cycle, calibration, and tune.json's bookkeeping.
+the plot), `tune_record` (tune.json: the document, --resume, the recommended plan). This
+module runs the loop: the rungs, each trial's engine life cycle, calibration.
 
 Pure orchestration: no click; `out` receives the lines to print. Engine and load generator are
 injectable (`runner_factory`, `loadgen_factory`) so the bookkeeping is tested without vLLM.
@@ -40,7 +40,6 @@ injectable (`runner_factory`, `loadgen_factory`) so the bookkeeping is tested wi
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -54,7 +53,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
@@ -77,18 +75,14 @@ from .tune_measure import (
     TrialMeasurement,
     max_concurrency,
 )
-from .tune_report import decide, plot, score, summary, table
+from .tune_record import TUNE_FILE, TuneRecord
+from .tune_report import plot, score, table
 from .tune_search import (
     THRESHOLD,
     rung_sizes,
     utc_now,
 )
 from .vllmargs import arg_value
-
-TUNE_FILE = "tune.json"
-SCHEMA = 1
-
-
 
 STATUSES = ("ok", "infeasible", "failed", "skipped")
 
@@ -256,66 +250,30 @@ class Tuner:
         self.dir = Path(opts.output)
         self.starts = 0
         self.interrupted: int | None = None
-        self.doc: dict[str, Any] = {}
-        self.previous: dict[tuple[int, str], dict[str, Any]] = {}
+        self.record = TuneRecord(self.dir)
         self.startup_times: list[float] = []
         self._specs: dict[str, TrialSpec] = {}
         self._sizes: list[int] = []
         self._acceptance: tuple[PromptSet, Path, int] | None = None
 
-    # --- bookkeeping ---------------------------------------------------------------------
+    # --- bookkeeping (tune_record.TuneRecord) --------------------------------------------
 
-    def _load_previous(self) -> None:
-        """Finished trials of an earlier run into the same folder (`--resume`)."""
-        path = self.dir / TUNE_FILE
-        if not self.opts.resume or not path.exists():
-            return
-        try:
-            old = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"--resume: cannot read {path} ({e})") from None
-        for t in old.get("trials", []):
-            if t.get("status") in ("ok", "infeasible"):
-                self.previous[(int(t.get("rung", 0)), t.get("key", ""))] = t
-            if t.get("status") == "infeasible":
-                self.previous[(-1, t.get("key", ""))] = t  # never started again, any rung
+    @property
+    def doc(self) -> dict[str, Any]:
+        return self.record.doc
 
-    def _new_doc(self, baseline: TrialSpec, notes: list[str]) -> None:
-        from ..predict.capabilities import installed_vllm
-
-        o = self.opts
-        self.doc = {
-            "schema": SCHEMA, "vlaunch_version": __version__,
-            "vllm_version": installed_vllm() or baseline.plan.get("vllm_version"),
-            "started_at": utc_now(), "updated_at": utc_now(), "finished_at": None,
-            "status": "running",
-            "model": baseline.plan["model"], "gpus": baseline.plan["gpus"],
-            "workload": {"input_len": o.workload.input_len, "output_len": o.workload.output_len,
-                         "name": o.workload.name},
-            "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms,
-                    "threshold": o.threshold},
-            "objective": o.objective,
-            "settings": {"budget_s": o.budget_s, "max_starts": o.max_starts, "seed": o.seed,
-                         "eta": o.eta, "rungs": o.rungs, "max_concurrency": o.max_concurrency,
-                         "resume": o.resume},
-            "notes": notes, "starts": 0, "elapsed_s": 0.0,
-            "baseline": None, "recommended": None, "trials": [],
-        }
+    @property
+    def previous(self) -> dict[tuple[int, str], dict[str, Any]]:
+        return self.record.previous
 
     def save(self) -> None:
-        self.doc["updated_at"] = utc_now()
-        self.doc["starts"] = self.starts
-        self.doc["elapsed_s"] = round(self.progress.elapsed, 1)
-        atomic_write(self.dir / TUNE_FILE, json.dumps(self.doc, indent=2, default=str) + "\n")
+        self.record.save(self.starts, self.progress.elapsed)
 
     def _trial_record(self, t: TrialSpec, rung: int) -> dict[str, Any]:
-        rec = {"name": t.name, "source": t.source, "rung": rung, "key": t.key,
-               "vllm_args": t.vllm_args, "env": t.env, "pins": t.pins,
-               "predicted": t.predicted, "status": "skipped", "cause": "not reached",
-               "started_at": None, "finished_at": None, "startup_s": None,
-               "knee": None, "warmup": None, "results": []}
-        self.doc["trials"].append(rec)
-        return rec
+        return self.record.trial(t, rung)
+
+    def _decide(self) -> None:
+        self.record.decide(self.opts.slo)
 
     # --- signals -------------------------------------------------------------------------
 
@@ -352,11 +310,11 @@ class Tuner:
         if o.max_starts < 1:
             raise InputError("--max-starts must be at least 1")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._load_previous()
+        self.record.load_previous(o.resume)
         self.progress.line(f"planning candidates for {self.spec.name} ...")
         baseline, cands, notes = build_candidates(self.spec, self.hw, self.pins, o.workload,
                                                   o.slo, o.objective, o.user_candidates)
-        self._new_doc(baseline, notes)
+        self.record.new(baseline, notes, o)
         self.save()
         if self.previous:  # --resume: among equally ranked candidates, the finished first
             cands = finished_first(cands, {k for _, k in self.previous})
@@ -602,12 +560,6 @@ class Tuner:
             return
         rec["calibration"] = str(path)
 
-    # --- choosing ------------------------------------------------------------------------
-
-    def _decide(self) -> None:
-        """Best so far and the baseline beside it, into the document (see tune_report.decide)."""
-        self.doc["baseline"], self.doc["recommended"] = decide(self.doc["trials"], self.opts.slo)
-
     # --- the end -------------------------------------------------------------------------
 
     def _finish(self) -> None:
@@ -618,9 +570,10 @@ class Tuner:
             self.out(line)
         rec = self.doc["recommended"]
         if rec is None:
-            self._best_partial()
+            if self.record.best_partial(self.out):
+                self.save()
             return
-        plan = self._recommended_plan(rec)
+        plan = self.record.recommended_plan(rec, self._specs)
         emit_plan(plan, self.dir)
         self.out(f"recommended: {rec['trial']} at concurrency {rec['concurrency']}: "
                  f"{rec['measured']['goodput_rps']:.2f} req/s goodput, "
@@ -632,41 +585,6 @@ class Tuner:
                      if plan["tuned"].get("extra_args") else ""))
         if self.opts.plot:
             self._plot()
-
-    def _best_partial(self) -> None:
-        """No finished trial: say what the cut-short ones measured (kept in tune.json, re-run
-        by --resume), so an interruption still answers "how far did it get"."""
-        cut = [r for r in self.doc["trials"] if r.get("knee") and r["knee"]["concurrency"]]
-        if not cut:
-            self.out("vlaunch: no configuration was measured; nothing to recommend "
-                     f"(status: {self.doc['status']})")
-            return
-        best = max(cut, key=score)
-        self.doc["best_so_far"] = {**summary(best), "final": False}
-        self.save()
-        k = best["knee"]
-        self.out(f"best so far ({self.doc['status']}; not final, no plan.json): {best['name']}: "
-                 f"SLO met up to concurrency {k['concurrency']} at least, "
-                 f"{k['goodput_rps']:.2f} req/s goodput; --resume measures it again")
-
-    def _recommended_plan(self, rec: dict[str, Any]) -> dict[str, Any]:
-        """The plan that `vlaunch exec --plan` runs: the planner's own plan of the chosen
-        candidate (exec re-plans from its fields), with what was measured beside it."""
-        trial = next(r for r in self.doc["trials"] if r["name"] == rec["trial"]
-                     and r["rung"] == rec["rung"])
-        spec = self._spec_of(trial)
-        if spec is None:  # resumed from a run whose candidates differ: the baseline's plan
-            spec = next(iter(self._specs.values()))
-        plan = json.loads(json.dumps(spec.plan))
-        plan["tuned"] = {"tune_json": str(self.dir / TUNE_FILE), "trial": rec["trial"],
-                         "concurrency": rec["concurrency"], "measured": rec["measured"],
-                         "slo": self.doc["slo"], "workload": self.doc["workload"],
-                         "extra_args": trial["pins"].get("extra_args", [])}
-        perf = plan.get("performance")
-        if isinstance(perf, dict):
-            perf["measured"] = {"source": "measured", "concurrency": rec["concurrency"],
-                                **rec["measured"]}
-        return plan
 
     def _spec_of(self, trial: dict[str, Any]) -> TrialSpec | None:
         return self._specs.get(trial["key"])

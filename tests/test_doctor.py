@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -723,3 +724,46 @@ def test_reading_a_log_never_reaches_the_hub(tmp_path, monkeypatch):
     assert d.cause == "free_memory_below_utilization"
     assert any("not checked by vlaunch's planner" in x for x in d.explain)
     assert "HF_HUB_OFFLINE" not in os.environ  # restored
+
+
+_NCCL_HOST = re.compile(r"^([\w.-]+):(\d+):\d+ \[(\d+)\] (NCCL WARN .*)$")
+# How NCCL's own "host:pid:tid [dev] NCCL WARN ..." reaches a log: bare (NCCL's stderr), through
+# vLLM's logger at WARNING or INFO with its worker prefix (vllm/logger.py; the "[nccl]" source
+# and NCCL's own "file:line" in front), through an older worker prefix, or under kubectl's time.
+_NCCL_WRAPPINGS = (
+    lambda host, pid, dev, msg: f"{host}:{pid}:900 [{dev}] {msg}",
+    lambda host, pid, dev, msg: (f"(VllmWorker rank={dev} pid={pid}) WARNING 05-01 14:00:16 "
+                                 f"[nccl] include/shm.h:28 {msg}"),
+    lambda host, pid, dev, msg: (f"(Worker_TP{dev} pid={pid}) INFO 05-01 14:00:16 [nccl] "
+                                 f"{host}:{pid}:900 [{dev}] {msg}"),
+    lambda host, pid, dev, msg: (f"2026-05-01T14:00:16.123456789Z (Worker_TP{dev} pid={pid}) "
+                                 f"WARNING 05-01 14:00:16 [pynccl.py:98] {msg}"),
+    lambda host, pid, dev, msg: f"(RayWorkerWrapper pid={pid}, ip=10.0.0.{dev}) {msg}",
+)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, v in EXPECTED.items()
+                                         if v[0] in vr.NCCL_SPECIFIC))
+@pytest.mark.parametrize("wrap", range(len(_NCCL_WRAPPINGS)))
+def test_nccl_warn_lines_are_read_through_every_prefix(name, wrap):
+    """NCCL's WARN line names the cause whatever carries it into the log: a line relayed by
+    vLLM's logger at WARNING is no less the root cause than NCCL's bare stderr (the doctor once
+    skipped it as a quiet level and said NCCL "printed no line naming why")."""
+    lines = []
+    for raw in (FIXTURES / name).read_text().splitlines():
+        m = _NCCL_HOST.match(raw)
+        lines.append(_NCCL_WRAPPINGS[wrap](*m.groups()) if m else raw)
+    report = vf.scan_text("\n".join(lines) + "\n")
+    assert report.root.cause == EXPECTED[name][0], lines
+    assert "NCCL WARN" in report.root.evidence[0]
+
+
+def test_nccl_shm_warn_without_a_size_still_names_dev_shm():
+    """The issue's own wording, cut after the segment: still /dev/shm, not a generic NCCL error."""
+    text = ("(APIServer pid=1) INFO 05-01 14:00:01 [api_utils.py:347] vLLM API server version "
+            "0.32.0\n(VllmWorker rank=5 pid=733) WARNING 05-01 14:00:16 [nccl] include/shm.h:28 "
+            "NCCL WARN Error: failed to extend /dev/shm/nccl-x1\n(VllmWorker rank=5 pid=733) "
+            "ERROR 05-01 14:00:17 [multiproc_executor.py:953] RuntimeError: NCCL error: "
+            "unhandled system error\n")
+    d = vf.scan_text(text).root
+    assert d.cause == "nccl_shared_memory" and d.numbers["segment"] == "/dev/shm/nccl-x1"

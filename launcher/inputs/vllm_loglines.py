@@ -36,6 +36,8 @@ _PREFIX = re.compile(
     r"(?:\[[\w.:-]*\]|[\w.-]+:\d+\])\s?)?"
 )
 _QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")
+# NCCL's failure lines (src/include/debug.h WARN): "NCCL WARN" whatever prefix carries them.
+NCCL_WARN = "NCCL WARN"
 _NCCL = re.compile(r"^([\w.-]+):(\d+):\d+ \[\d+\] NCCL ")
 # uvicorn's own "INFO:     Started server process" / "WARNING:  ..." lines.
 # Indented text, after vLLM's prefix or at the start: a traceback frame or source line.
@@ -75,7 +77,12 @@ class Line:
 
     @property
     def errorish(self) -> bool:
-        """Could this line report a failure? Quiet levels and uvicorn's INFO lines cannot."""
+        """Could this line report a failure? Quiet levels and uvicorn's INFO lines cannot,
+        except NCCL's own WARN lines, which vLLM's logger may relay at any level (its workers'
+        stderr through the "[nccl]" logger: "(VllmWorker rank=5 pid=733) WARNING ... [nccl]
+        include/shm.h:28 NCCL WARN Error: failed to extend ...")."""
+        if NCCL_WARN in self.content:
+            return True
         if self.level in _QUIET_LEVELS:
             return False
         return not _UVICORN_QUIET.match(self.content)
@@ -139,7 +146,7 @@ LAUNCH = "non-default args: "
 def quiet_line(raw: str) -> bool:
     """A line at a level that never reports a failure (INFO, DEBUG, WARNING; uvicorn's too)."""
     head = raw[:200]
-    if " ERROR " in head or " CRITICAL " in head:
+    if " ERROR " in head or " CRITICAL " in head or NCCL_WARN in raw:
         return False
     return (" INFO " in head or " WARNING " in head or " DEBUG " in head
             or head.startswith(("INFO:", "WARNING:", "DEBUG:", "INFO ", "WARNING ", "DEBUG ")))

@@ -112,8 +112,8 @@ RULES: tuple[Rule, ...] = (
         "torch.distributed ProcessGroupNCCL watchdog (any vLLM release)", transient=True),
     Rule("nccl_shared_memory", _r(
         r"Error while (?:creating|attaching to) shared memory segment (?P<segment>\S+)"
-        r"(?: \(size (?P<size>\d+)\))?|failed to extend (?P<segment2>\S+) to (?P<size2>\d+) "
-        r"bytes|failed to create shared memory file (?P<segment3>\S+)"
+        r"(?: \(size (?P<size>\d+)\))?|failed to extend (?P<segment2>\S+?),?(?: to (?P<size2>\d+) "
+        r"bytes)?(?:$|[\s,])|failed to create shared memory file (?P<segment3>\S+)"
         r"|Call to posix_fallocate failed"),
         "none", "OTHER",
         "NCCL src/misc/shmutils.cc ncclShmOpen WARN \"Error while creating shared memory "

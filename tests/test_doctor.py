@@ -767,3 +767,48 @@ def test_nccl_shm_warn_without_a_size_still_names_dev_shm():
             "unhandled system error\n")
     d = vf.scan_text(text).root
     assert d.cause == "nccl_shared_memory" and d.numbers["segment"] == "/dev/shm/nccl-x1"
+
+
+_P = "(APIServer pid=1) INFO 05-01 14:00:01 [launcher.py:380] "
+_E = "(EngineCore pid=9) INFO 05-01 14:00:04 [core.py:134] "
+_W = "(Worker_TP0 pid=30) INFO 05-01 14:00:09 [gpu_model_runner.py:5040] "
+
+
+@pytest.mark.parametrize("line,version,model", [
+    (_P + "vLLM server version 0.32.0, serving model Qwen/Qwen3-8B", "0.32.0", "Qwen/Qwen3-8B"),
+    (_P + "vLLM API server version 0.11.0", "0.11.0", None),
+    (_P + " ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.20.1", "0.20.1", None),
+    (_E + "Initializing a V1 LLM engine (v0.32.0) with config: model='/models/tiny', "
+     "speculative_config=None", "0.32.0", "/models/tiny"),
+    ("INFO 07-11 06:23:05 llm_engine.py:237] Initializing an LLM engine (v0.6.3.post1) with "
+     "config: model='meta-llama/Llama-3.1-8B', speculative_config=None", "0.6.3.post1",
+     "meta-llama/Llama-3.1-8B"),
+    (_W + "Starting to load model deepseek-ai/DeepSeek-V3...", None, "deepseek-ai/DeepSeek-V3"),
+])
+def test_version_and_model_come_from_every_line_that_names_them(line, version, model):
+    """The report's vllm_version and model from whichever line names them, with or without
+    a "non-default args" line after (the version line comes just before it)."""
+    fail = "(EngineCore pid=9) ERROR 05-01 14:00:20 [core.py:1] ValueError: No available " \
+           "memory for the cache blocks."
+    args = _P + "non-default args: {'max_model_len': 4096}\n"
+    orders = [line + "\n", args + line + "\n"]
+    if "Starting to load" not in line:  # the API server's and engine's lines come before
+        orders.append(line + "\n" + args)
+    for text in orders:
+        report = vf.scan_text(text + fail + "\n")
+        d = report.to_dict()
+        assert d["vllm_version"] == version, text
+        assert d["model"] == ({"name": model} if model else None), text
+
+
+def test_the_version_line_before_the_last_launch_is_kept(tmp_path):
+    """A file that holds two launches is read from the last; the version its API server printed
+    on the line before "non-default args" belongs to it (it once came out null)."""
+    one = (_P + "vLLM server version 0.31.0, serving model m\n" + _P
+           + "non-default args: {'model': 'm'}\n(EngineCore pid=9) ERROR 05-01 14:00:20 "
+           "[core.py:1] ValueError: No available memory for the cache blocks.\n")
+    log = tmp_path / "two.log"
+    log.write_text(one + one.replace("0.31.0", "0.32.0"))
+    report = vlf.scan_source(str(log))[0]
+    assert report.launches == 2 and report.facts.version == "0.32.0"
+    assert vf.scan_text(log.read_text()).facts.version == "0.32.0"

@@ -214,8 +214,7 @@ class Report:
 
 def _model_of(facts: Facts) -> dict[str, str] | None:
     """The log's model as the plan's JSON names it (`model.name`), or None."""
-    name = facts.arg("model") or facts.arg("model_tag")
-    return {"name": str(name)} if name else None
+    return {"name": facts.model} if facts.model else None
 
 
 class Scanner:
@@ -225,6 +224,7 @@ class Scanner:
         self.count = 0
         self.launches = 0
         self.vllm_seen = False  # a line naming vLLM (what makes a stream a vLLM log)
+        self._version_line = -10  # the line that last named the version
         self._reset()
 
     def _reset(self) -> None:
@@ -277,11 +277,19 @@ class Scanner:
         """Launches, phase markers and facts (what the fixes need) in one line."""
         if LAUNCH in text:
             if self.count > 1 and (self.hits or self.phase not in (None, "starting")):
-                self._reset()  # a restart appended to the same file: diagnose the last one
+                # a restart appended to the same file: diagnose the last one, with the version
+                # its API server printed just before its "non-default args"
+                version = self.facts.version if self.count - self._version_line <= 3 else None
+                self._reset()
+                if version:
+                    self.facts.numbers["vllm_version"] = version
             self.launches += 1
         if self.phase != "serving":
             self._advance(text)
+        before = self.facts.version
         self.facts.feed(text)
+        if self.facts.version != before:
+            self._version_line = self.count
 
     def _advance(self, content: str) -> None:
         found = phase_of(content)

@@ -98,6 +98,10 @@ def _last_launch(path: Path) -> tuple[int, int, int] | None:
             if pos < 0:
                 return None
             line = m.rfind(b"\n", start, pos) + 1 or start
+            # the API server names its version on the line before (log_version_and_model)
+            prev = m.rfind(b"\n", start, max(start, line - 1)) + 1 or start
+            if line > start and b"version" in m[prev:line]:
+                line = prev
             before = m[start:line]
             return line, before.count(b"\n"), before.count(LAUNCH.encode())
 

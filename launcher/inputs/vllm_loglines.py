@@ -165,25 +165,37 @@ def phase_of(content: str) -> tuple[str, str] | None:
 # --- facts the fixes need ----------------------------------------------------------------------
 
 _FLOAT = r"(\d+(?:\.\d+)?)"
-_FACTS: tuple[tuple[str, str, re.Pattern[str]], ...] = (
-    ("weights_gib", "Model loading took", re.compile(r"Model loading took " + _FLOAT + r" ?GiB")),
-    ("available_kv_gib", "Available KV cache memory",
+_FACTS: tuple[tuple[str, tuple[str, ...], re.Pattern[str]], ...] = (
+    ("weights_gib", ("Model loading took",),
+     re.compile(r"Model loading took " + _FLOAT + r" ?GiB")),
+    ("available_kv_gib", ("Available KV cache memory",),
      re.compile(r"Available KV cache memory: " + _FLOAT + r" ?GiB")),
-    ("cudagraph_estimate_gib", "Estimated CUDA graph memory",
+    ("cudagraph_estimate_gib", ("Estimated CUDA graph memory",),
      re.compile(r"Estimated CUDA graph memory: " + _FLOAT + " GiB")),
-    ("activation_peak_gib", "torch peak memory increase",
+    ("activation_peak_gib", ("torch peak memory increase",),
      re.compile(r"torch peak memory increase: " + _FLOAT + r" ?GiB")),
-    ("max_model_len", "Using max model len", re.compile(r"Using max model len (\d+)")),
-    ("max_num_batched_tokens", "max_num_batched_tokens=",
+    ("max_model_len", ("Using max model len",), re.compile(r"Using max model len (\d+)")),
+    ("max_num_batched_tokens", ("max_num_batched_tokens=",),
      re.compile(r"max_num_batched_tokens=(\d+)")),
-    ("vllm_version", "version", re.compile(r"(?:V1 LLM engine \(v|vLLM API server version "
-                                           r"|version )(\d+\.\d+\.\d+[\w.+-]*)")),
+)
+# Text facts: the version and the model, from every line that names them (vLLM 0.32.0:
+# entrypoints/serve/utils/api_utils.py log_version_and_model "vLLM server version %s, serving
+# model %s" or its logo "version %s" / "model   %s", just before "non-default args";
+# v1/engine/core.py "Initializing a V1 LLM engine (v%s) with config: model='...'" (V0:
+# "Initializing an LLM engine (v%s)"); older API servers "vLLM API server version %s";
+# v1/worker/gpu_model_runner.py and cpu_model_runner.py "Starting to load model %s...").
+_TEXT_FACTS: tuple[tuple[str, tuple[str, ...], re.Pattern[str]], ...] = (
+    ("vllm_version", ("version", "LLM engine (v"),
+     re.compile(r"(?:LLM engine \(v|[Ss]erver version |\bversion\s+)(\d+\.\d+\.\d+[\w.+-]*)")),
+    ("model", ("Starting to load model", "model='", "serving model", "model   "),
+     re.compile(r"Starting to load model (\S+?)\.{3}|with config: model='([^']+)'"
+                r"|serving model (\S+)|\s{2}model\s{3}(\S+)")),
 )
 _CPU_KEYS = ("CPU KV cache size", "Using CPU_", "for KV cache on node", "cpu_worker.py")
 # Every fixed text a quiet line must hold to matter (a marker, a fact, a launch).
 _CONTEXT_KEYS = tuple(dict.fromkeys(
-    [k for _, _, keys in _MARKERS for k in keys] + [k for _, k, _ in _FACTS] + list(_CPU_KEYS)
-    + [LAUNCH]))
+    [k for _, _, keys in _MARKERS for k in keys]
+    + [k for _, keys, _ in _FACTS + _TEXT_FACTS for k in keys] + list(_CPU_KEYS) + [LAUNCH]))
 
 
 _CONTEXT = re.compile("|".join(re.escape(k) for k in _CONTEXT_KEYS))
@@ -200,8 +212,9 @@ _ARGS = re.compile(r"non-default args: (\{.*\})\s*$")
 class Facts:
     """What the log says about the run, beyond the error: its arguments and measurements."""
 
-    numbers: dict[str, float] = field(default_factory=dict)
+    numbers: dict[str, Any] = field(default_factory=dict)  # floats; "vllm_version" a string
     cpu: bool = False
+    seen_model: str | None = None  # the model as a line named it (the args' own wins)
     args_text: str = ""  # vLLM's "non-default args: {...}", parsed only when a fix reads it
 
     @functools.cached_property
@@ -216,15 +229,33 @@ class Facts:
         if LAUNCH in content and (m := _ARGS.search(content)):
             self.args_text = m.group(1)
             self.__dict__.pop("args", None)
-        for name, key, pattern in _FACTS:
-            if key in content and (m := pattern.search(content)) is not None:
-                text = m.group(1)
-                self.numbers[name] = float(text) if name != "vllm_version" else text  # type: ignore[assignment]
+        for name, keys, pattern in _FACTS:
+            if any(k in content for k in keys) and (m := pattern.search(content)) is not None:
+                self.numbers[name] = float(m.group(1))
+        for name, keys, pattern in _TEXT_FACTS:
+            if any(k in content for k in keys) and (m := pattern.search(content)) is not None:
+                text = next(g for g in m.groups() if g)
+                if name == "model":
+                    self.seen_model = text
+                else:
+                    self.numbers[name] = text
         if not self.cpu and any(k in content for k in _CPU_KEYS):
             self.cpu = True
 
     def arg(self, name: str) -> Any:
         return self.args.get(name)
+
+    @property
+    def model(self) -> str | None:
+        """The launch's model: its "non-default args" (`model`, or `model_tag` for `vllm serve
+        MODEL`), else the last line that named it."""
+        name = self.args.get("model") or self.args.get("model_tag")
+        return str(name) if name else self.seen_model
+
+    @property
+    def version(self) -> str | None:
+        value = self.numbers.get("vllm_version")
+        return value if isinstance(value, str) else None
 
     def number(self, name: str) -> float | None:
         value = self.numbers.get(name)

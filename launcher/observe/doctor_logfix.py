@@ -424,7 +424,7 @@ def _override(args: list[str], fix: list[str]) -> list[str]:
 def serve_command_from_log(facts: Facts, fix: Fix) -> str | None:
     """The `vlaunch serve` command that runs the failed configuration with the fix applied:
     vlaunch's own pins where it has one, everything else after `--`."""
-    model = facts.arg("model") or facts.arg("model_tag")
+    model = facts.model
     if not model or not (fix.args or fix.env):
         return None
     args = _override(_log_args(facts), fix.args)

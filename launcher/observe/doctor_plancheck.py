@@ -62,7 +62,7 @@ def context_from_log(report: Report) -> PlanContext | None:
     it ran on), when that is enough to plan; None otherwise. The model must be a profile or a
     local folder (nothing is downloaded) and the device size printed by vLLM."""
     facts = report.facts
-    model = facts.arg("model") or facts.arg("model_tag")
+    model = facts.model
     if not isinstance(model, str):
         return None
     world = 1

@@ -727,14 +727,14 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     elif model:
         goals = split_goals(kw)
         ctx = doctor.context_from_model(model, gpus, _pins(**kw), goals, _hardware(gpus))
-    report, names = doctor.diagnose(source, ctx)
+    logs = doctor.diagnose_all(source, ctx)
     if fmt == "json":
-        click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
+        click.echo(json.dumps(doctor.to_json(logs), indent=2))
     else:
         from .term import width
 
-        click.echo(doctor.render(report, names, width()))
-    sys.exit(1 if report.diagnoses else 0)
+        click.echo(doctor.render_all(logs, width()))
+    sys.exit(1 if any(report.diagnoses for _, report in logs) else 0)
 
 
 def main() -> None:

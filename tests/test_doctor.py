@@ -648,7 +648,7 @@ def test_evidence_escapes_control_characters_and_hides_secrets(tmp_path: Path):
 def test_skipping_to_the_last_launch_changes_nothing(tmp_path: Path, seed: int):
     """A file is read from its last launch (what a restart resets to); the report must equal
     the one a line-by-line scan of the whole text gives, lines and launches included, for any
-    order of appended start-ups, in one file or split over a folder."""
+    order of appended start-ups in one file; split over a folder, each file is its own report."""
     import random
 
     logs = sorted(FIXTURES.glob("*.log"))
@@ -665,10 +665,17 @@ def test_skipping_to_the_last_launch_changes_nothing(tmp_path: Path, seed: int):
         p = folder / f"vllm-{i:02d}.log"
         p.write_text(part)
         os.utime(p, (1_000_000 + i, 1_000_000 + i))
-    for source in (str(one), str(folder)):
-        got = vlf.scan_source(source)[0]
-        assert (got.lines, got.launches, got.phase) == (whole.lines, whole.launches, whole.phase)
-        assert [d.to_dict() for d in got.diagnoses] == [d.to_dict() for d in whole.diagnoses]
+    got = vlf.scan_source(str(one))[0]
+    assert (got.lines, got.launches, got.phase) == (whole.lines, whole.launches, whole.phase)
+    assert [d.to_dict() for d in got.diagnoses] == [d.to_dict() for d in whole.diagnoses]
+    # a folder: every log diagnosed on its own, newest first
+    logs = vlf.read_logs(str(folder))
+    assert [name for name, _ in logs] == [str(folder / f"vllm-{i:02d}.log")
+                                          for i in reversed(range(len(picked)))]
+    for (_, got), part in zip(logs, reversed(picked), strict=True):
+        alone = vf.scan_text(part)
+        assert (got.lines, got.launches, got.phase) == (alone.lines, alone.launches, alone.phase)
+        assert [d.to_dict() for d in got.diagnoses] == [d.to_dict() for d in alone.diagnoses]
 
 
 def test_every_rule_match_holds_one_of_its_keys():
@@ -812,3 +819,63 @@ def test_the_version_line_before_the_last_launch_is_kept(tmp_path):
     report = vlf.scan_source(str(log))[0]
     assert report.launches == 2 and report.facts.version == "0.32.0"
     assert vf.scan_text(log.read_text()).facts.version == "0.32.0"
+
+
+def test_a_file_that_is_not_a_log_exits_2_whatever_its_name(tmp_path: Path):
+    """README.md names vLLM and quotes its log lines, and is no log: exit 2 with one line, as
+    a file named .log with the same text, the project's own README and a Python source
+    (never "no failure found"). Every fixture still reads as a log, under any name."""
+    root = Path(__file__).resolve().parent.parent
+    prose = ("# Serving with vLLM\n\nStart vLLM and read its log. A failed start prints, for "
+             "example:\n\n    (EngineCore pid=1) ERROR 05-20 10:04:12 [core.py:1] ValueError: "
+             "No available memory for the cache blocks.\n\nwhich means the KV cache got nothing."
+             "\nRaise the utilization or use more GPUs.\nSee the vLLM docs for details.\n")
+    cases = [root / "README.md", root / "launcher" / "run" / "serve.py"]
+    for name in ("README.md", "notes.log", "vllm.txt"):
+        (tmp_path / name).write_text(prose)
+        cases.append(tmp_path / name)
+    for path in cases:
+        if not path.exists():
+            continue
+        r = CliRunner().invoke(cli, ["doctor", str(path)])
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and "not a vLLM log" in lines[0], path
+    r = CliRunner().invoke(cli, ["doctor", "-"], input=prose)
+    assert r.exit_code == 2 and "not a vLLM log" in r.output
+    for fixture in FIXTURES.glob("*.log"):
+        renamed = tmp_path / (fixture.stem + ".md")
+        renamed.write_text(fixture.read_text())
+        assert vlf.scan_source(str(renamed))[0].lines > 0, fixture.name
+
+
+def test_a_folder_gives_every_logs_diagnosis_newest_first(tmp_path: Path):
+    """Each log of a folder is diagnosed on its own, the newest first; a file there that is no
+    vLLM log (notes, a README) is left out."""
+    names = ["kv_short_v032_cpu.log", "nccl_shm_container.log", "port_in_use_uvicorn.log"]
+    for i, name in enumerate(names):
+        p = tmp_path / f"attempt{i}.log"
+        p.write_text((FIXTURES / name).read_text())
+        os.utime(p, (2_000 - i, 2_000 - i))  # attempt0 is the newest
+    (tmp_path / "README.txt").write_text("vLLM logs of last night's runs.\nAsk Sam.\n")
+    r = CliRunner().invoke(cli, ["doctor", str(tmp_path)])
+    assert r.exit_code == 1
+    heads = [x for x in r.output.splitlines() if x.startswith("vlaunch doctor: ")]
+    assert [h.split()[2] for h in heads] == [str(tmp_path / f"attempt{i}.log") for i in range(3)]
+    causes = [x.split()[2] for x in r.output.splitlines() if x.startswith("root cause: ")]
+    assert causes == ["kv_cache_too_small", "nccl_shared_memory", "port_in_use"]
+
+
+def test_stdin_past_its_cap_says_so_and_exits_2(monkeypatch):
+    """A pipe cannot be read from its tail: more than the cap is one line that says how to pass
+    it, exit 2, never a diagnosis of its first part ("no failure found")."""
+    monkeypatch.setattr(vlf, "MAX_BYTES", 4096)
+    text = (FIXTURES / "kv_short_v032_cpu.log").read_text()
+    filler = "(APIServer pid=1) INFO 11-30 10:00:00 [x.py:1] vllm says hello\n" * 200
+    r = CliRunner().invoke(cli, ["doctor", "-"], input=filler + text)
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and "more than" in lines[0], r.output
+    one_line = "x" * 10_000  # one endless line counts too
+    r = CliRunner().invoke(cli, ["doctor", "-"], input=one_line)
+    assert r.exit_code == 2 and "more than" in r.output
+    r = CliRunner().invoke(cli, ["doctor", "-"], input=text[:4000])
+    assert r.exit_code in (0, 1), r.output

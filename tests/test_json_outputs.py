@@ -188,3 +188,23 @@ def test_tune_table_keeps_its_numbers_aligned_within_the_width(monkeypatch, cols
     starts = [x for x in lines if x[:2].strip()]  # a trial's first line (or the header)
     assert len(starts) == len(trials) + 1
     assert all(x[at] == " " and x[at - 1] != " " for x in starts[1:])  # right-aligned column
+
+
+def test_doctor_json_of_a_folder_holds_every_log_newest_first(tmp_path):
+    """A folder of logs: the newest at the top level, every other log in `older`, newest
+    first, each its own report; the whole document within the schema."""
+    import os
+
+    names = ["kv_short_v032_cpu.log", "nccl_shm_container.log", "oom_loading_weights.log"]
+    for i, name in enumerate(names):
+        p = tmp_path / f"vllm-attempt{i}.log"
+        p.write_text((FIXTURES / name).read_text())
+        os.utime(p, (1_000 + i, 1_000 + i))
+    r = CliRunner().invoke(cli, ["doctor", str(tmp_path), "--format", "json"])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.output)
+    assert _errors("doctor", doc) == []
+    assert doc["sources"] == [str(tmp_path / f"vllm-attempt{i}.log") for i in (2, 1, 0)]
+    assert doc["diagnoses"][0]["cause"] == "cuda_oom"
+    assert [o["diagnoses"][0]["cause"] for o in doc["older"]] == ["nccl_shared_memory",
+                                                                 "kv_cache_too_small"]

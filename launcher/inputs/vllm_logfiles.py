@@ -11,6 +11,7 @@ import contextlib
 import io
 import mmap
 import os
+import re
 import stat
 import sys
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from typing import Any, TextIO
 
 from ..errors import InputError
 from .vllm_failures import Report, Scanner
-from .vllm_loglines import LAUNCH, MAX_LINE
+from .vllm_loglines import ARGPARSE_LINE, EXCEPTION_LINE, LAUNCH, MAX_LINE, split_line
 
 # --- reading logs ------------------------------------------------------------------------------
 
@@ -35,6 +36,48 @@ def _mentions_vllm(head: bytes) -> bool:
             or b"api_server.py" in head)
 
 
+_NCCL_HOST = re.compile(r"^[\w.-]+:\d+:\d+ \[\d+\] NCCL ")
+_FRAME = re.compile(r'^\s*File "')
+LOG_SHARE = 1 / 3  # the least share of a log's lines that read as log lines (see looks_like_log)
+
+
+def _log_line(raw: str) -> bool | None:
+    """Does this line read as a log's (True), as prose (False), or neither (None: blank, an
+    indented source or table line, a progress bar)? A log's lines: vLLM's logger prefix
+    (level and time, or the process), NCCL's host prefix, uvicorn's level, a traceback's
+    frame, an exception, argparse's usage and error."""
+    text = raw.strip()
+    if not text:
+        return None
+    line = split_line(0, raw)
+    c = line.content
+    if line.level or line.rank or _NCCL_HOST.match(c) or _FRAME.match(raw):
+        return True
+    if c.startswith(("Traceback (most recent call last)", "usage: ", "INFO:", "WARNING:",
+                     "ERROR:", "DEBUG:")) or EXCEPTION_LINE.match(c) or ARGPARSE_LINE.match(c):
+        return True
+    if raw[:1].isspace() or "%|" in c or "it/s]" in c or "s/it]" in c:
+        return None
+    return False
+
+
+def looks_like_log(lines: list[str]) -> bool:
+    """Reads as a vLLM log: it names vLLM, and at least a third of its lines (blank, indented
+    and progress-bar lines aside) read as log lines. A README that quotes a few of vLLM's
+    lines in its prose (or a config, a script) names vLLM and is no log: the doctor would call
+    it healthy. The shortest real logs (an argparse error, a shell's "Killed") are half log
+    lines or more (tests/fixtures/doctor)."""
+    if not _mentions_vllm("".join(lines).encode("utf-8", "replace")):
+        return False
+    votes = [v for v in map(_log_line, lines) if v is not None]
+    return not votes or sum(votes) >= LOG_SHARE * len(votes)
+
+
+def _head_lines(path: Path) -> list[str]:
+    with path.open("rb") as f:
+        return f.read(_HEAD).decode("utf-8", "replace").splitlines()
+
+
 def _regular(path: Path) -> bool:
     """A regular file: never a device (/dev/zero never ends), a FIFO (blocks), a socket."""
     try:
@@ -44,14 +87,15 @@ def _regular(path: Path) -> bool:
 
 
 def log_files(path: Path) -> list[Path]:
-    """The vLLM logs in a folder: regular *.log/*.txt/*.out/*.err files that mention vLLM
-    (first 64 KiB), oldest first so that a later restart's log is read last."""
+    """The vLLM logs in a folder: regular *.log/*.txt/*.out/*.err files whose first 64 KiB
+    read as a vLLM log (`looks_like_log`), newest first: each is diagnosed on its own (serve's
+    vllm-RUN-attemptN.log are one launch each), the latest attempt at the top."""
     files = sorted({p for pat in _LOG_NAMES for p in path.glob(pat) if _regular(p)},
-                   key=lambda p: (p.stat().st_mtime, p.name))
+                   key=lambda p: (-p.stat().st_mtime, p.name))
     out = []
     for p in files:
-        with contextlib.suppress(OSError), p.open("rb") as f:
-            if _mentions_vllm(f.read(_HEAD)):
+        with contextlib.suppress(OSError):
+            if looks_like_log(_head_lines(p)):
                 out.append(p)
     return out
 
@@ -67,6 +111,10 @@ def _lines_of(stream: TextIO, budget: list[int] | None = None) -> Iterator[str]:
             rest = chunk
             while rest and not rest.endswith("\n"):  # drop the remainder of an overlong line
                 rest = stream.readline(MAX_LINE)
+                if budget is not None:  # what is dropped was read: it counts to the cap
+                    budget[0] -= len(rest)
+                    if budget[0] < 0:
+                        return
         if budget is not None:
             budget[0] -= len(chunk)
             if budget[0] < 0:
@@ -120,80 +168,100 @@ def _open_at(path: Path, offset: int | None = None) -> TextIO:
     return io.TextIOWrapper(f, encoding="utf-8", errors="replace")
 
 
-def _skip_to_last_launch(files: list[Path], scanner: Scanner) -> tuple[int, int | None]:
-    """(index of the first file to read, offset in it) after skipping what precedes the last
-    launch of the stream; the skipped lines and launches are counted into `scanner`."""
-    for i in range(len(files) - 1, -1, -1):
-        found = _last_launch(files[i])
-        if found is None:
-            continue
-        offset, lines, launches = found
-        for skipped in files[:i]:
-            with _open_at(skipped) as stream:
-                for raw in _lines_of(stream):
-                    lines += 1
-                    launches += LAUNCH in raw
-        scanner.count, scanner.launches = lines, launches
-        scanner.vllm_seen = True
-        return i, offset
-    return 0, None
+def _skip_to_last_launch(path: Path, scanner: Scanner) -> int | None:
+    """The offset of the file's last launch, or None (read it all); the lines and launches
+    before it are counted into `scanner`."""
+    found = _last_launch(path)
+    if found is None:
+        return None
+    offset, lines, launches = found
+    scanner.count, scanner.launches = lines, launches
+    scanner.vllm_seen = True
+    return offset
+
+
+def read_logs(source: str, stdin: TextIO | None = None) -> list[tuple[str, Report]]:
+    """Diagnose a file, every vLLM log of a folder (newest first), or "-" (stdin): (name,
+    report) for each.
+
+    Raises InputError for a missing, unreadable or non-regular path, an empty log, a file or
+    stream that is not a vLLM log (`looks_like_log`, whatever its name), stdin beyond
+    MAX_BYTES, or a folder without vLLM logs: one line that says what to pass instead. At most
+    the last MAX_BYTES of a file are read.
+    """
+    if source == "-":
+        return [("<stdin>", _read_stdin(stdin if stdin is not None else _stdin()))]
+    path = Path(source)
+    if not path.exists():
+        raise InputError(f"no such log: {source}; pass a vLLM log file, a folder of logs, "
+                         "or - for stdin")
+    if path.is_dir():
+        files = log_files(path)
+        if not files:
+            raise InputError(f"no vLLM logs in {source} (looked for *.log, *.txt, *.out, "
+                             "*.err that read as a vLLM log)")
+        return [(str(f), _read_file(f, str(f))) for f in files]
+    if not _regular(path):
+        raise InputError(f"{source} is not a regular file (a device, FIFO or socket); pass "
+                         "a vLLM log file, a folder of logs, or - for stdin")
+    try:
+        head = _head_lines(path)
+    except OSError as e:
+        raise InputError(f"cannot read {e.filename or source}: {e.strerror or e}") from None
+    if head and not looks_like_log(head):
+        raise InputError(f"{source} is not a vLLM log (its first 64 KiB name no vLLM process "
+                         "or read as prose, not log lines); pass the log of a vLLM start")
+    return [(source, _read_file(path, source))]
+
+
+def _read_file(path: Path, name: str) -> Report:
+    scanner = Scanner()
+    try:
+        offset = _skip_to_last_launch(path, scanner)
+        with _open_at(path, offset) as stream:
+            for raw in _lines_of(stream):
+                scanner.feed(raw)
+    except OSError as e:
+        raise InputError(f"cannot read {e.filename or name}: {e.strerror or e}") from None
+    except ValueError as e:  # mmap of a file that changed size while read
+        raise InputError(f"cannot read {name}: {e}") from None
+    report = scanner.report()
+    if report.lines == 0:
+        raise InputError(f"the log {name} is empty; pass the log of a vLLM start")
+    return report
+
+
+def _read_stdin(stream: TextIO) -> Report:
+    """stdin, at most MAX_BYTES: a stream cannot be read from its tail, so a longer one is an
+    error that says how to pass it, never a diagnosis of its first part."""
+    scanner = Scanner()
+    head: list[str] = []
+    size = 0
+    budget = [MAX_BYTES]
+    for raw in _lines_of(stream, budget):
+        if size < _HEAD:
+            head.append(raw)
+            size += len(raw)
+        scanner.feed(raw)
+    if budget[0] < 0:
+        raise InputError(f"stdin holds more than {MAX_BYTES >> 20} MiB, the most the doctor "
+                         "reads from a pipe; save it to a file (the doctor reads a file's last "
+                         f"{MAX_BYTES >> 20} MiB) or pipe its tail: ... | tail -c "
+                         f"{MAX_BYTES >> 20}M | vlaunch doctor -")
+    report = scanner.report()
+    if report.lines == 0:
+        raise InputError("the log <stdin> is empty; pass the log of a vLLM start")
+    if not looks_like_log(head):
+        raise InputError("stdin is not a vLLM log (no vLLM process named, or prose rather "
+                         "than log lines); pipe the log of a vLLM start, e.g. kubectl logs "
+                         "POD | vlaunch doctor -")
+    return report
 
 
 def scan_source(source: str, stdin: TextIO | None = None) -> tuple[Report, list[str]]:
-    """Diagnose a file, a folder of vLLM logs, or "-" (stdin). Returns (report, names read).
-
-    Raises InputError for a missing, unreadable or non-regular path, an empty log, a file or
-    stream that is not a vLLM log (the folder scan's rule: vLLM named in its first 64 KiB),
-    or a folder without vLLM logs: one line that says what to pass instead. At most the last
-    MAX_BYTES of a file (the first of stdin) are read.
-    """
-    if source == "-":
-        stream = stdin if stdin is not None else _stdin()
-        scanner = Scanner()
-        for raw in _lines_of(stream, [MAX_BYTES]):
-            scanner.feed(raw)
-        report = scanner.report()
-        names = ["<stdin>"]
-        if report.lines and not scanner.vllm_seen:
-            raise InputError("stdin is not a vLLM log (no vLLM line in it); pipe the log of a "
-                             "vLLM start, e.g. kubectl logs POD | vlaunch doctor -")
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise InputError(f"no such log: {source}; pass a vLLM log file, a folder of logs, "
-                             "or - for stdin")
-        if path.is_dir():
-            files = log_files(path)
-            if not files:
-                raise InputError(f"no vLLM logs in {source} (looked for *.log, *.txt, *.out, "
-                                 "*.err that mention vLLM)")
-        elif not _regular(path):
-            raise InputError(f"{source} is not a regular file (a device, FIFO or socket); pass "
-                             "a vLLM log file, a folder of logs, or - for stdin")
-        else:
-            files = [path]
-        scanner = Scanner()
-        try:
-            if files == [path]:
-                with path.open("rb") as head:
-                    first = head.read(_HEAD)
-                if first and not _mentions_vllm(first):
-                    raise InputError(f"{source} is not a vLLM log (no vLLM line in its "
-                                     "first 64 KiB); pass the log of a vLLM start")
-            start, offset = _skip_to_last_launch(files, scanner)
-            for i, f in enumerate(files[start:]):
-                with _open_at(f, offset if i == 0 else None) as stream:
-                    for raw in _lines_of(stream):
-                        scanner.feed(raw)
-        except OSError as e:
-            raise InputError(f"cannot read {e.filename or source}: {e.strerror or e}") from None
-        except ValueError as e:  # mmap of a file that changed size while read
-            raise InputError(f"cannot read {source}: {e}") from None
-        report = scanner.report()
-        names = [str(f) for f in files]
-    if report.lines == 0:
-        raise InputError(f"the log {names[0]} is empty; pass the log of a vLLM start")
-    return report, names
+    """The newest log `read_logs` finds (a file, a folder's newest, stdin): (report, [name])."""
+    name, report = read_logs(source, stdin)[0]
+    return report, [name]
 
 
 def _stdin() -> TextIO:

@@ -17,10 +17,10 @@ will not fit is replaced by one that does, or dropped with the planner's reason.
 from __future__ import annotations
 
 import shlex
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..inputs.vllm_failures import Diagnosis, Report, scan_text
-from ..inputs.vllm_logfiles import scan_source
+from ..inputs.vllm_logfiles import read_logs
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
 from .doctor_logfix import apply_log_fixes
 from .doctor_plancheck import (
@@ -33,8 +33,8 @@ from .doctor_plancheck import (
 )
 
 # The doctor's entry points (cli.py reads the launch's context through this module).
-__all__ = ["PlanContext", "context_from_model", "context_from_plan", "diagnose", "explain_log",
-           "render"]
+__all__ = ["PlanContext", "context_from_model", "context_from_plan", "diagnose", "diagnose_all",
+           "explain_log", "render", "render_all", "to_json"]
 
 # --- entry points ------------------------------------------------------------------------------
 
@@ -49,18 +49,46 @@ def explain_log(text: str) -> Diagnosis | None:
 
 def diagnose(source: str, ctx: PlanContext | None = None,
              stdin: TextIO | None = None) -> tuple[Report, list[str]]:
-    """Read a log (file, folder or "-"), diagnose it, and compute each fix."""
-    report, names = scan_source(source, stdin)
+    """Read a log (a file, a folder's newest log, or "-"), diagnose it, and compute each fix."""
+    name, report = diagnose_all(source, ctx, stdin)[0]
+    return report, [name]
+
+
+def diagnose_all(source: str, ctx: PlanContext | None = None,
+                 stdin: TextIO | None = None) -> list[tuple[str, Report]]:
+    """Every log of `source` (one for a file or stdin; a folder's, newest first), each
+    diagnosed with its fixes."""
+    logs = read_logs(source, stdin)
+    for _, report in logs:
+        _fix(report, ctx)
+    return logs
+
+
+def _fix(report: Report, ctx: PlanContext | None) -> None:
     apply_log_fixes(report)
     ctx = ctx or context_from_log(report)
     if ctx is not None:
         apply_plan_fixes(report, ctx)
-    else:
-        for d in report.diagnoses:
-            if d.fix_args and d.cause in PLANNED_CAUSES:
-                d.explain.append("not checked by vlaunch's planner: pass MODEL --gpus ... or "
-                                 "--plan to check this fix fits")
-    return report, names
+        return
+    for d in report.diagnoses:
+        if d.fix_args and d.cause in PLANNED_CAUSES:
+            d.explain.append("not checked by vlaunch's planner: pass MODEL --gpus ... or "
+                             "--plan to check this fix fits")
+
+
+def to_json(logs: list[tuple[str, Report]]) -> dict[str, Any]:
+    """The newest log's report, with `sources` naming every log read (newest first) and
+    `older` holding the other logs' reports, each with its `source`."""
+    (name, report), *rest = logs
+    doc: dict[str, Any] = {"sources": [n for n, _ in logs], **report.to_dict()}
+    if rest:
+        doc["older"] = [{"source": n, **r.to_dict()} for n, r in rest]
+    return doc
+
+
+def render_all(logs: list[tuple[str, Report]], width: int = PIPED_WIDTH) -> str:
+    """Every log's report for people, newest first, a blank line between."""
+    return "\n\n".join(render(report, [name], width) for name, report in logs)
 
 
 # --- rendering ---------------------------------------------------------------------------------

@@ -678,6 +678,9 @@ def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
                             max_concurrency=max_concurrency, rungs=rungs, user_candidates=user,
                             startup_timeout=startup_timeout, plot=plot, verbose=verbose,
                             prompts=prompts)
+    from .run import preflight
+
+    preflight.check(hw)  # vLLM imports and the GPUs are here: else one line, exit 2
     say = (lambda s: None) if fmt == "json" else click.echo  # noqa: E731
     status, doc = tune.tune(spec, hw, pins, opts, out=say,
                             log=lambda s: click.echo(s, err=True))

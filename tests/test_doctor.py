@@ -78,6 +78,7 @@ EXPECTED: dict[str, tuple[str, str, str, list[str] | None, dict[str, str]]] = {
     "kv_dtype_invalid_choice.log": ("invalid_kv_cache_dtype", "starting", "kv_cache", ["--kv-cache-dtype", "auto"], {}),
     "quant_capability.log": ("quantization_unsupported", "starting", "weights", [], {}),
     "missing_module.log": ("missing_module", "starting", "none", [], {}),
+    "gpu_no_driver.log": ("gpu_unavailable", "starting", "none", [], {}),
     "port_in_use_uvicorn.log": ("port_in_use", "starting", "none", None, {}),
     "model_not_on_hub.log": ("model_not_found", "starting", "none", [], {}),
     "hub_unreachable.log": ("hub_unreachable", "starting", "none", [], {}),

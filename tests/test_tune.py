@@ -48,6 +48,10 @@ FAKE_VLLM = textwrap.dedent(
         else args[args.index("--model") + 1]
     with open(os.environ["FAKE_STARTS"], "a") as f:
         f.write(json.dumps(args) + "\n")
+    if os.environ.get("FAKE_NO_MODULE"):  # what `python -m vllm...` says without vLLM
+        print("/usr/bin/python3: Error while finding module specification for 'vllm.entrypoints"
+              ".openai.api_server' (ModuleNotFoundError: No module named 'vllm')", flush=True)
+        sys.exit(1)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print("(APIServer pid=1) INFO [api_utils.py:286] non-default args: {}", flush=True)
     print("(Worker pid=2) INFO [cpu_model_runner.py:68] Starting to load model", flush=True)
@@ -591,3 +595,80 @@ def test_cli_unreadable_dataset_is_one_line(tmp_path: Path, tiny_spec):
     path.chmod(0)
     r = CliRunner().invoke(cli, ["tune", tiny_spec.path, "--gpus", "cpu", "--dataset", str(path)])
     assert r.exit_code == 2 and "cannot read" in r.output and "Traceback" not in r.output
+
+
+def test_an_environment_failure_is_no_verdict_on_the_flags(tmp_path: Path, fake_engine, tiny_spec,
+                                                           monkeypatch):
+    """Without vLLM every start fails the same way: the run stops at the first with one error
+    line and exit 2, that trial is "failed" for the environment (never "infeasible"), and
+    --resume, with vLLM back, starts it again."""
+    factory, starts, _ = fake_engine
+    monkeypatch.setenv("FAKE_NO_MODULE", "1")
+    lines: list[str] = []
+    status, doc = _run(tiny_spec, _opts(tmp_path, max_starts=3, rungs=1), factory, lines)
+    assert status == 2 and len(_started(starts)) == 1
+    errors = [x for x in lines if x.startswith("vlaunch: error:")]
+    assert errors == lines[-1:] and "No module named 'vllm'" in errors[0]
+    assert not [x for x in lines if "infeasible" in x], lines  # no table of "infeasible" rows
+    assert not [t for t in doc["trials"] if t["status"] == "infeasible"]
+    (failed,) = [t for t in doc["trials"] if t["status"] == "failed"]
+    assert failed["environment"] is True and failed["cause"].startswith("environment: ")
+    monkeypatch.delenv("FAKE_NO_MODULE")
+    status, again = _run(tiny_spec, _opts(tmp_path, max_starts=3, rungs=1, resume=True), factory)
+    assert status == 0 and len(_started(starts)) > 1
+    assert not any(t.get("resumed") and t["key"] == failed["key"] for t in again["trials"])
+    assert any(t["key"] == failed["key"] and t["status"] == "ok" for t in again["trials"])
+
+
+def test_preflight_vllm_must_import_one_line(monkeypatch):
+    """tune's first check: vLLM imports in the interpreter it starts it with; else one line
+    naming the error (the child's last stderr line) and what to do."""
+    from launcher.run import preflight
+
+    class Done:
+        returncode = 1
+        stderr = "Traceback (most recent call last):\n  ...\nModuleNotFoundError: No module named 'vllm'\n"
+
+    monkeypatch.delenv("VLAUNCH_VLLM_COMMAND", raising=False)
+    with pytest.raises(InputError) as e:
+        preflight.check_vllm_imports("/usr/bin/python3", run=lambda *a, **k: Done())
+    assert "\n" not in str(e.value) and "No module named 'vllm'" in str(e.value)
+    Done.returncode = 0
+    preflight.check_vllm_imports("/usr/bin/python3", run=lambda *a, **k: Done())
+    monkeypatch.setenv("VLAUNCH_VLLM_COMMAND", "/no/such/program serve")
+    with pytest.raises(InputError, match="not a program"):
+        preflight.check_vllm_imports()
+
+
+@pytest.mark.parametrize("gpus,seen,ok", [
+    ("cpu", [], True),
+    ("2xH100", [], False),
+    ("2xH100", [("NVIDIA H100 80GB HBM3", 80 << 30)] * 2, True),
+    ("2xH100", [("NVIDIA H100 80GB HBM3", 80 << 30)], False),
+    ("2xH100", [("NVIDIA L4", 23 << 30)] * 4, False),
+    ("2x8xH100", [("NVIDIA H100 80GB HBM3", 80 << 30)] * 16, False),
+])
+def test_preflight_the_planned_gpus_must_be_here(gpus, seen, ok):
+    """The GPUs tune plans for are on this machine (as many as one node, as big), else one
+    line that says what it sees; the CPU engine needs none; two nodes are not one machine."""
+    from types import SimpleNamespace
+
+    from launcher.run import preflight
+
+    devices = [SimpleNamespace(name=n, total_bytes=b, error=None) for n, b in seen]
+    hw = parse_gpus(gpus)
+    if ok:
+        preflight.check_gpus(hw, read=lambda: devices)
+        return
+    with pytest.raises(InputError) as e:
+        preflight.check_gpus(hw, read=lambda: devices)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_tune_without_the_engine_is_one_line_and_exit_2(tiny_spec, monkeypatch, tmp_path):
+    monkeypatch.setenv("VLAUNCH_VLLM_COMMAND", "/no/such/vllm serve")
+    r = CliRunner().invoke(cli, ["tune", tiny_spec.path, "--gpus", "cpu", "--output",
+                                 str(tmp_path / "o")])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("vlaunch: error:")
+    assert not (tmp_path / "o" / "tune.json").exists()

@@ -424,6 +424,9 @@ class Failure:
     # profiling, an NCCL timeout); a deterministic failure never is.
     cause: str | None = None
     transient: bool = False
+    # The machine failed (vLLM or a module missing, no driver, no GPU), not these flags: no
+    # verdict on them (tune retries such a trial on --resume and stops the run).
+    environment: bool = False
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -450,7 +453,8 @@ def to_failure(d: Diagnosis) -> Failure:
         estimated_max_model_len=num("estimate", int) or num("kv_tokens", int),
         free_gib=num("free"), total_gib=num("total"),
         requested_utilization=num("util"), requested_gib=num("requested"),
-        details=details, cause=d.cause, transient=d.transient)
+        details=details, cause=d.cause, transient=d.transient,
+        environment=bool(rule and rule.environment))
 
 
 def _strip(text: str) -> str:

@@ -30,6 +30,7 @@ class Rule:
     transient: bool = False  # may succeed when retried with the same flags
     phase: str | None = None  # where it always happens, whatever the markers said
     on_wrappers: bool = False  # also read "Failed core proc(s)" wrapper lines (exit codes)
+    environment: bool = False  # the machine failed (an import, the driver), not the flags
 
 
 def _r(pattern: str) -> re.Pattern[str]:
@@ -180,7 +181,20 @@ RULES: tuple[Rule, ...] = (
         "moe_wna16.py \"moe_wna16 + awq\" (0.11 on)", phase="starting"),
     Rule("missing_module", _r(
         r"(?:ModuleNotFoundError|ImportError): No module named '(?P<module>[\w.]+)'"),
-        "none", "OTHER", "Python's import system"),
+        "none", "OTHER", "Python's import system", environment=True),
+    Rule("gpu_unavailable", _r(
+        r"Found no NVIDIA driver on your system|No CUDA GPUs are available"
+        r"|CUDA driver initialization failed|The NVIDIA driver on your system is too old"
+        r"|CUDA driver version is insufficient for CUDA runtime version"
+        r"|no CUDA-capable device is detected|Failed to infer device type"
+        r"|libcuda\.so[.\d]*: cannot open shared object file|CUDA initialization is blocked"),
+        "none", "OTHER",
+        "torch/cuda/__init__.py _lazy_init (\"Found no NVIDIA driver on your system\", \"No CUDA "
+        "GPUs are available\", \"The NVIDIA driver on your system is too old\"), the CUDA "
+        "runtime's cudaErrorNoDevice / cudaErrorInsufficientDriver, vLLM config/device.py "
+        "DeviceConfig.__post_init__ \"Failed to infer device type\" (no platform found; 0.6 to "
+        "0.32) and utils/torch_utils.py \"CUDA initialization is blocked\"",
+        phase="starting", environment=True),
     Rule("port_in_use", _r(
         r"\[Errno 98\] (?:error while attempting to bind on address .*: )?[Aa]ddress already in "
         r"use|address already in use"),
@@ -253,6 +267,8 @@ RULE_KEYS: dict[str, tuple[str, ...]] = {
     "invalid_kv_cache_dtype": ("--kv-cache-dtype: invalid choice",),
     "quantization_unsupported": ("The quantization method",),
     "missing_module": ("No module named",),
+    "gpu_unavailable": ("NVIDIA driver", "No CUDA GPUs", "CUDA driver", "CUDA-capable",
+                        "infer device type", "libcuda", "CUDA initialization is blocked"),
     "port_in_use": ("ddress already in use",),
     "model_not_found": ("Repo id must be", "is not a local folder", "RepositoryNotFoundError",
                         "Repository Not Found", "Invalid repository ID"),

@@ -346,6 +346,11 @@ _LOG_FIXES: dict[str, Callable[[Diagnosis, Facts], Fix]] = {
     "missing_module": _explain_only(
         "Python module '{module}' is missing from vLLM's environment: install the package "
         "that provides it there"),
+    "gpu_unavailable": _explain_only(
+        "vLLM found no usable GPU: no NVIDIA driver, a driver too old for this CUDA, or no "
+        "device visible to the process (CUDA_VISIBLE_DEVICES, the container's --gpus / "
+        "nvidia.com/gpu resource); `nvidia-smi` in the same environment shows which; no vLLM "
+        "flag changes this"),
     "model_not_found": _explain_only(
         "the model is neither a local folder nor a Hugging Face repo id: check the path (it "
         "must exist inside the container) or the repo name"),

@@ -233,6 +233,11 @@ def _default_loadgen(log_path: Path) -> LoadGenerator:
     return LoadGenerator(log_path=log_path)
 
 
+class EnvironmentFailed(Exception):
+    """A start failed for the machine (vLLM or a module missing, no driver, no GPU): the run
+    stops, and the trial is no verdict on its flags."""
+
+
 class Tuner:
     """One `vlaunch tune` run. `run()` returns the exit status (0, or 128 + signal)."""
 
@@ -344,6 +349,15 @@ class Tuner:
                 status = 128 + e.signum
             except BudgetExhausted:
                 self.doc["status"] = "budget spent"
+            except EnvironmentFailed as e:
+                self.doc["status"] = f"stopped: the environment failed ({e})"
+                self._decide()
+                self.doc["finished_at"] = utc_now()
+                self.save()
+                self.out(f"vlaunch: error: vLLM could not start on this machine, whatever the "
+                         f"flags: {str(e)[:300]}; fix the environment (`vlaunch doctor "
+                         f"{self.dir}` reads the logs) and rerun with --resume")
+                return 2
         self._finish()
         return status
 
@@ -504,6 +518,14 @@ class Tuner:
         elif outcome.reason == "timeout":
             rec["status"], rec["cause"] = "infeasible", (
                 f"start-up hung past {runner.startup_timeout:.0f}s (phase {outcome.phase})")
+        elif f is not None and f.environment:
+            # the machine failed, not the flags: no verdict on them (--resume starts them
+            # again), and every other start would fail the same way
+            rec["status"], rec["environment"] = "failed", True
+            rec["cause"] = f"environment: {f.message}"
+            rec["failure"] = f.to_dict()
+            self.progress.line(f"  {rec['status']}: {rec['cause'][:300]}")
+            raise EnvironmentFailed(f.message)
         else:
             rec["status"] = "infeasible"
             rec["cause"] = (f"{f.kind}: {f.message}" if f else

@@ -627,7 +627,8 @@ def test_preflight_vllm_must_import_one_line(monkeypatch):
 
     class Done:
         returncode = 1
-        stderr = "Traceback (most recent call last):\n  ...\nModuleNotFoundError: No module named 'vllm'\n"
+        stderr = ("Traceback (most recent call last):\n  ...\n"
+                  "ModuleNotFoundError: No module named 'vllm'\n")
 
     monkeypatch.delenv("VLAUNCH_VLLM_COMMAND", raising=False)
     with pytest.raises(InputError) as e:

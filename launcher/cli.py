@@ -344,7 +344,8 @@ def _fit(text: str) -> str:
     out: list[str] = []
     for line in text.split("\n"):
         stripped = line.lstrip()
-        if " vllm serve " in line or stripped.startswith("vllm serve "):
+        if (" vllm serve " in line or stripped.startswith(("vllm serve ", "python -m vllm."))
+                or " python -m vllm." in line):
             lead = line[:len(line) - len(stripped)]
             out += term.command(shlex.split(stripped), cols, indent=lead)
         else:

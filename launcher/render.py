@@ -6,6 +6,7 @@ import shlex
 from typing import Any
 
 from .redact import redact_args, redact_env
+from .run.vllmargs import in_serve_form, serve_program
 
 GiB = 1 << 30
 
@@ -85,8 +86,14 @@ def plan_text(d: dict[str, Any]) -> str:
     elif d["fits"]:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(d["env"]).items())
         lines.append("  command:")
-        lines.append(f"    {env} vllm serve " + shlex.join(redact_args(d["vllm_args"])))
+        lines.append(f"    {env} " + shlex.join(vllm_command_of(d)))
     return "\n".join(lines)
+
+
+def vllm_command_of(d: dict[str, Any]) -> list[str]:
+    """The plan's vLLM command in the form its vLLM version takes (`vllm serve MODEL ...`, the
+    model positional; the API server module with --model before `vllm serve` existed)."""
+    return in_serve_form(serve_program(d.get("vllm_version")), redact_args(d["vllm_args"]))
 
 
 def _node_commands(d: dict[str, Any]) -> list[str]:

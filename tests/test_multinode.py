@@ -48,7 +48,9 @@ def _after(argv, flag):
 def test_single_node_runs_the_plan_unchanged():
     plan = _plan()
     launch = build_launch(plan, environ={})
-    assert launch.argv == ["vllm", "serve", *plan["vllm_args"]]
+    # `vllm serve MODEL`: the model positional (the plan's args start with --model MODEL)
+    assert plan["vllm_args"][0] == "--model"
+    assert launch.argv == ["vllm", "serve", *plan["vllm_args"][1:]]
     assert (launch.role, launch.node_rank, launch.nnodes) == (LEADER, 0, 1)
     assert launch.env == plan["env"] and launch.pre_commands == [] and launch.serves_api
 
@@ -68,7 +70,8 @@ def test_mp_tp_pp_across_two_nodes_leader_and_worker():
     lead = build_launch(plan, environ=_lws(0, POD_IP="10.0.0.5"))
     work = build_launch(plan, environ=_lws(1, POD_IP="10.0.0.6"))
     for launch, rank in ((lead, 0), (work, 1)):
-        assert launch.argv[: len(plan["vllm_args"]) + 2] == ["vllm", "serve", *plan["vllm_args"]]
+        serve = ["vllm", "serve", *plan["vllm_args"][1:]]  # the model positional
+        assert launch.argv[: len(serve)] == serve
         assert _after(launch.argv, "--nnodes") == "2"
         assert _after(launch.argv, "--node-rank") == str(rank)
         assert _after(launch.argv, "--master-addr") == LEADER_DNS
@@ -118,7 +121,7 @@ def test_ray_leader_starts_head_then_vllm_and_worker_joins():
     assert lead.argv == [
         "vllm",
         "serve",
-        *plan["vllm_args"],
+        *plan["vllm_args"][1:],
         "--distributed-executor-backend",
         "ray",
     ]

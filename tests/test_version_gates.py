@@ -3,6 +3,8 @@ per-version accounting: a plan uses nothing its vLLM lacks, or refuses with the 
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from launcher.errors import InputError
@@ -151,3 +153,21 @@ def test_requested_bytes_use_cudas_total():
     assert hw.budget_total == 81080 * B.MiB
     plan = make_plan(load_model("llama-3.1-8b"), hw, Pins(vllm_version="0.32.0"))
     assert plan.chosen.requested == B.requested_bytes(81080 * B.MiB, 0.92)
+
+
+@pytest.mark.parametrize("version,program", [
+    ("0.4.3", ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]),
+    ("0.5.0", ["vllm", "serve"]), ("0.11.0", ["vllm", "serve"]), ("0.32.0", ["vllm", "serve"])])
+def test_the_printed_command_takes_the_form_its_vllm_wants(version, program):
+    """`vllm serve MODEL` (model positional: --model is refused from 0.5.5, deprecated since
+    vLLM #25967) where the release has `vllm serve` (the serve_cli gate); the API server module
+    with --model before it. The plan text prints exactly that command."""
+    from launcher.render import plan_text, vllm_command_of
+
+    d = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
+                  Pins(vllm_version=version)).to_dict()
+    argv = vllm_command_of(d)
+    assert argv[:len(program)] == program
+    assert argv[len(program)] == d["vllm_args"][1] and "--model" not in argv[len(program):]
+    line = next(x for x in plan_text(d).splitlines() if " ".join(program) in x)
+    assert shlex.split(line)[-len(argv):] == argv  # the printed line is that argv, pasteable

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InputError
+from .vllmargs import in_serve_form
 
 LEADER, WORKER = "leader", "worker"
 BACKENDS = ("mp", "ray")
@@ -267,7 +268,7 @@ def build_launch(
     if not isinstance(raw_env, Mapping):
         raise InputError("plan `env` is not an object; emit a plan from `vlaunch plan`")
     env = check_plan_env(raw_env)
-    serve = [*program, *args]
+    serve = in_serve_form(program, args)  # `vllm serve MODEL`: the model positional
     backend_flag = ["--distributed-executor-backend", "ray"] if backend == "ray" else []
 
     if nnodes == 1:

@@ -59,7 +59,14 @@ from .drain import DEFAULT_STOP_TIMEOUT_S
 from .endpoint import Actual, Endpoint, SmokeResult
 from .logpump import LOG_MAX_BYTES, OutputLog
 from .procgroup import ProcessGroup
-from .vllmargs import arg_value, connect_host, free_port, port_answers, vllm_command
+from .vllmargs import (
+    arg_value,
+    connect_host,
+    free_port,
+    in_serve_form,
+    port_answers,
+    vllm_command,
+)
 
 
 @dataclass
@@ -187,10 +194,7 @@ class VllmRunner:
     @property
     def argv(self) -> list[str]:
         """The full argv. `vllm serve` takes the model positionally; the module takes --model."""
-        args = list(self.vllm_args)
-        if self.program[-1:] == ["serve"] and args[:1] == ["--model"]:
-            args = args[1:]
-        return self.program + args
+        return in_serve_form(self.program, self.vllm_args)
 
     @property
     def pid(self) -> int | None:

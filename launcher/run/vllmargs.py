@@ -16,6 +16,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from ..predict.capabilities import version_traits
+
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_COMMAND_ENV = "VLAUNCH_VLLM_COMMAND"
 
@@ -44,6 +46,25 @@ def vllm_command(python: str | None = None, *, serve_cli: bool = False) -> list[
     if serve_cli or (python is None and _vllm_console_script_works()):
         return [shutil.which("vllm") or "vllm", "serve"]
     return [python or sys.executable, "-m", API_SERVER_MODULE]
+
+
+def in_serve_form(program: Sequence[str], args: Sequence[str]) -> list[str]:
+    """`program` + `args` as that program takes the model. A plan's arguments start with
+    `--model MODEL` (what the API server module takes); `vllm serve` takes the model as its
+    first positional argument: it refused `--model` from 0.5.5 (vLLM #7347) and, since #25967,
+    accepts it with a deprecation warning, moving it to the front itself."""
+    args = list(args)
+    if list(program[-1:]) == ["serve"] and args[:1] == ["--model"] and len(args) > 1:
+        args = args[1:]
+    return [*program, *args]
+
+
+def serve_program(version: str | None) -> list[str]:
+    """How a printed command starts vLLM `version`: `vllm serve` where that release has it
+    (the `serve_cli` gate of profiles/capabilities.yaml), the API server module before."""
+    if version is None or version_traits(version).has("serve_cli"):
+        return ["vllm", "serve"]
+    return ["python", "-m", API_SERVER_MODULE]
 
 
 def arg_value(args: Sequence[str], name: str) -> str | None:

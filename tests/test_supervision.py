@@ -667,3 +667,34 @@ def test_port_answers_is_false_for_a_closed_port():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening
         assert not port_answers("127.0.0.1", port)
+
+
+def test_a_dry_run_shows_the_port_a_real_run_takes(env, model, tmp_path):
+    """The port is chosen first, the same way for both (vLLM's default when free, else the
+    first free one above it), then printed: what the dry run shows is what the real run
+    started right after it passes to vLLM, also while something holds the default port."""
+    import socket
+
+    from launcher.run.vllmargs import DEFAULT_PORT, first_free_port
+
+    def dry_port() -> int:
+        _, lines = _serve(model, dry_run=True)
+        words = _last_command(lines).split()
+        return int(words[words.index("--port") + 1])
+
+    def real_port() -> int:
+        env("ready", lifetime=1, argv_file=tmp_path / "argv.json")
+        _serve(model, log_dir=tmp_path)
+        argv = json.loads((tmp_path / "argv.json").read_text())
+        return int(argv[argv.index("--port") + 1])
+
+    with contextlib.ExitStack() as held:
+        for _ in range(2):  # the default, then the default held: the next free one
+            shown = dry_port()
+            assert shown == first_free_port() and shown == real_port()
+            s = held.enter_context(socket.socket())
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", shown))
+            s.listen()
+            assert first_free_port() != shown
+        assert first_free_port() >= DEFAULT_PORT

@@ -52,7 +52,14 @@ from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadli
 from .exposure import exposure_warning, with_host
 from .logpump import prefixed_echo
 from .runner import VllmRunner
-from .vllmargs import VLLM_COMMAND_ENV, arg_value, free_port, serve_both_names, vllm_command
+from .vllmargs import (
+    DEFAULT_PORT,
+    VLLM_COMMAND_ENV,
+    arg_value,
+    first_free_port,
+    serve_both_names,
+    vllm_command,
+)
 
 
 @dataclass
@@ -123,7 +130,6 @@ def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], di
     return lines, numbers
 
 
-DRY_RUN_PORT = 8000  # vLLM's default --port (entrypoints/launchers/cli_args.py, 0.32.0)
 PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
                   ("pp", ("--pipeline-parallel-size", "-pp")),
                   ("dp", ("--data-parallel-size", "-dp")))
@@ -298,6 +304,11 @@ class _ServeLoop:
     user_port: bool = False
     run_id: str = ""
 
+    def _bind_host(self) -> str:
+        """Where vLLM will listen (its own --host after `--`, ours, else loopback)."""
+        host = arg_value(with_host(self.extra, self.host), "--host") or "127.0.0.1"
+        return "0.0.0.0" if host in ("", "0.0.0.0") else ("::" if host == "::" else host)
+
     def say(self, text: str) -> None:
         """Progress, silenced by --quiet (unlike what went wrong, which `out` always shows)."""
         if not self.quiet:
@@ -313,10 +324,11 @@ class _ServeLoop:
         # One API port for every attempt, so the exporter (up from the start, showing
         # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
         user_port = arg_value(self.extra, "--port")
-        # A dry run shows vLLM's default port, not a random free one that the next run would
-        # not use either; a real run takes a free port unless one is given.
+        # The port is chosen first, the same way for a dry run and a real one (vLLM's default
+        # when free, else the first free one above it), then printed: a dry run shows the port
+        # a real run started now takes.
         self.api_port = int(user_port) if user_port else (
-            self.port or (DRY_RUN_PORT if self.dry_run else free_port()))
+            self.port or first_free_port(self._bind_host()))
         self.user_port = bool(user_port or self.port)
         self.run_id = new_run_id()
         try:
@@ -361,7 +373,9 @@ class _ServeLoop:
             runner = VllmRunner(args, env=env)
             # what is shown and returned (--format json) never holds a key
             self.result.command, self.result.env = redact_args(runner.argv), redact_env(env)
-            how = "--port" if self.user_port else "vLLM's default; a real run takes a free one"
+            how = ("--port" if self.user_port else "vLLM's default, free now"
+                   if self.api_port == DEFAULT_PORT else
+                   f"the first free one: {DEFAULT_PORT} is taken")
             for line in fit([f"  vlaunch would run (port {self.api_port}, {how}):"], width()):
                 self.out(line)
             for line in command_lines(redact_args(runner.argv), width(), indent="    ",

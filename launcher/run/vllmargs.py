@@ -8,6 +8,7 @@ module). Pure functions, apart from asking the OS for a free port.
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import os
 import shlex
@@ -105,6 +106,33 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+DEFAULT_PORT = 8000  # vLLM's default --port (entrypoints/launchers/cli_args.py, 0.32.0)
+PORT_TRIES = 200
+
+
+def first_free_port(host: str = "127.0.0.1", start: int = DEFAULT_PORT) -> int:
+    """vLLM's default port when nothing holds it on `host`, else the first free one above it
+    (at most PORT_TRIES tried; then one the OS picks). Deterministic, so a dry run that asks
+    now prints the port a real run started now takes."""
+    for port in range(start, min(start + PORT_TRIES, 65536)):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                           socket.SOCK_STREAM) as s:
+            # as vLLM binds (entrypoints/launchers/launcher.py create_server_socket): a port an
+            # earlier server left in TIME_WAIT is free to it; one that something listens on is not
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    continue
+                return start  # not an address of this machine (a dry run for another): vLLM's
+            return port
+    try:
+        return free_port(host)
+    except OSError:
+        return start
 
 
 def connect_host(bind: str | None, default: str = "127.0.0.1") -> str:

@@ -37,15 +37,47 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def plan_text(d: dict[str, Any]) -> str:
-    """The text form of a plan dict (the same dict `--format json` prints)."""
-    m, g, p, kv = d["model"], d["gpus"], d["parallel"], d["kv_cache"]
+def plan_text(d: dict[str, Any], command: bool = True) -> str:
+    """The text form of a plan dict (the same dict `--format json` prints). What will happen
+    comes first (the verdict, why it does not fit, the warnings, the command or what would
+    fit), then the figures, then the reasons: a reader sees what to act on before forty lines
+    of why. `command`: print the plan's own command (a dry run prints its own instead)."""
+    m, g = d["model"], d["gpus"]
     gpus = "cpu" if g["platform"] == "cpu" else (
         f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}" if g["nodes"] > 1
         else f"{g['count']}x{g['name']}")
     lines = [f"{m['name']} on {gpus} ({g['source']}): "
-             + ("FITS" if d["fits"] else "DOES NOT FIT"),
-             f"  model: {m['architecture']}, {_count(m['params'])} params stored, "
+             + ("FITS" if d["fits"] else "DOES NOT FIT")]
+    if not d["fits"] and d.get("problem"):
+        lines.append(f"  why it does not fit: {d['problem']}")
+    lines += _items("warnings", d.get("warnings"))
+    if d["fits"] and command:
+        lines += _command_lines(d)
+    lines += _items("what would fit", d.get("suggestions"))
+    lines += _figures(d)
+    lines += performance_lines(d)
+    lines += _items("why", d.get("reasons"))
+    return "\n".join(lines)
+
+
+def _items(title: str, items: Any) -> list[str]:
+    """A heading only above something to read."""
+    shown = [x for x in items or () if str(x).strip()]
+    return [f"  {title}:", *(f"    - {x}" for x in shown)] if shown else []
+
+
+def _command_lines(d: dict[str, Any]) -> list[str]:
+    if d["gpus"]["nodes"] > 1:
+        return ["  commands (one per node; vlaunch exec builds them from the LeaderWorkerSet "
+                "environment):", *_node_commands(d)]
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(d["env"]).items())
+    return ["  command:", f"    {env} " + shlex.join(vllm_command_of(d))]
+
+
+def _figures(d: dict[str, Any]) -> list[str]:
+    """Model, layout, KV cache and the per-GPU budget: what the plan is made of."""
+    m, g, p, kv = d["model"], d["gpus"], d["parallel"], d["kv_cache"]
+    lines = [f"  model: {m['architecture']}, {_count(m['params'])} params stored, "
              f"{m['weights_bytes'] / GiB:.2f} GiB loaded ({m['quantization']}), "
              f"context {m['max_context']:,}"]
     layout = f"TP {p['tp']}, PP {p['pp']}, DP {p['dp']}" + (", EP" if p["expert_parallel"] else "")
@@ -67,27 +99,11 @@ def plan_text(d: dict[str, Any]) -> str:
         lines.append("  pipeline stages (one rank each): " + "; ".join(
             f"{i}: {st['layers']} layers, weights {st['weights_bytes'] / GiB:.1f} GiB, "
             f"KV {st['kv_cache_bytes'] / GiB:.1f} GiB" for i, st in enumerate(d["per_stage"])))
-    if not d["fits"] and d.get("problem"):
-        lines.append(f"  why it does not fit: {d['problem']}")
     lines.append("  per GPU (limiting rank):")
     lines += ["    " + x for x in budget_bar(d["per_gpu"], g["total_bytes"])]
     lines.append(f"    vLLM may use {d['per_gpu']['requested_bytes'] / GiB:.2f} GiB "
                  f"of {g['total_bytes'] / GiB:.2f} GiB ({g['free_bytes'] / GiB:.2f} GiB free)")
-    lines += performance_lines(d)
-    for title, key in (("why", "reasons"), ("warnings", "warnings"),
-                       ("what would fit", "suggestions")):
-        items = [x for x in d.get(key) or () if str(x).strip()]
-        if items:  # a heading only above something to read
-            lines.append(f"  {title}:")
-            lines += [f"    - {x}" for x in items]
-    if d["fits"] and g["nodes"] > 1:
-        lines += ["  commands (one per node; vlaunch exec builds them from the LeaderWorkerSet "
-                  "environment):"] + _node_commands(d)
-    elif d["fits"]:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(d["env"]).items())
-        lines.append("  command:")
-        lines.append(f"    {env} " + shlex.join(vllm_command_of(d)))
-    return "\n".join(lines)
+    return lines
 
 
 def vllm_command_of(d: dict[str, Any]) -> list[str]:
@@ -148,7 +164,7 @@ def performance_lines(d: dict[str, Any]) -> list[str]:
         r = perf.get("range") or {}
         likely = (f" (likely {r['low']:,.0f}-{r['high']:,.0f})"
                   if r.get("low") is not None and r.get("high") is not None else "")
-        lines.append(f"    knee: {k['concurrency']:,.0f} in flight, "
+        lines.append(f"    knee: {k['concurrency']:,.0f} in flight{_running(d, k)}, "
                      f"{k['output_tokens_per_s']:,.0f} output tok/s{likely}, "
                      f"{k['requests_per_s']:.2f} req/s, TPOT {k['tpot_ms']:.1f} ms, "
                      f"TTFT {k['ttft_ms']:,.0f} ms (bound by {perf['binding']})")
@@ -162,6 +178,19 @@ def performance_lines(d: dict[str, Any]) -> list[str]:
         lines.append("    runner-ups:")
         lines += [f"      {alt_label(a)}: {a['why_not']}" for a in alts]
     return lines
+
+
+def _running(d: dict[str, Any], k: dict[str, Any]) -> str:
+    """How the knee's requests split when max-num-seqs binds: that many decode at once (the
+    batch cap, per engine times engines), the rest wait in vLLM's queue. The knee is the load;
+    max-num-seqs is the batch, never a second knee."""
+    seqs, dp = d.get("max_num_seqs"), (d.get("parallel") or {}).get("dp") or 1
+    if not isinstance(seqs, int) or seqs * dp >= k["concurrency"]:
+        return ""
+    running = seqs * dp
+    return (f" ({running:,} running at max-num-seqs {seqs:,}"
+            + (f" x {dp} engines" if dp > 1 else "")
+            + f", {k['concurrency'] - running:,.0f} queued)")
 
 
 def alt_label(a: dict[str, Any]) -> str:

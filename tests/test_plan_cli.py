@@ -81,3 +81,35 @@ def test_capacity_with_no_option_meeting_the_slo_exits_3_naming_the_closest_miss
     last = r.output.strip().splitlines()[-1]
     assert "no GPU option meets the SLO" in last and "closest:" in last
     assert "TPOT" in last and "recommended: none" in r.output
+
+
+@pytest.mark.parametrize("model,gpus", [("deepseek-v3", "8xH200"), ("llama-3.1-8b", "1xH100"),
+                                        ("qwen3-8b", "1xL4"), ("deepseek-v3", "2x8xH100"),
+                                        ("deepseek-v3", "1xH100")])
+def test_plan_text_says_what_will_happen_first_and_one_knee(model, gpus):
+    """The verdict, why not, the warnings and the command (or what would fit) come before the
+    figures, and the reasons last. One knee: the performance line's "N in flight" (the load
+    the SLO holds); max-num-seqs is the batch that runs at once, never called a knee."""
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.planner import Pins, make_plan
+    from launcher.render import plan_text
+
+    d = make_plan(load_model(model), parse_gpus(gpus), Pins()).to_dict()
+    lines = plan_text(d).splitlines()
+    heads = [x.strip() for x in lines if x.startswith("  ") and not x.startswith("   ")]
+
+    def at(prefix: str) -> int:
+        return next((i for i, x in enumerate(heads) if x.startswith(prefix)), -1)
+
+    acts = [i for i in (at("why it does not fit"), at("warnings:"), at("command"),
+                        at("what would fit:")) if i >= 0]
+    assert acts and max(acts) < at("model:") and (at("why:") < 0 or at("why:") > at("model:"))
+    text = " ".join(lines)
+    knee = (d.get("performance") or {}).get("knee")
+    if d["fits"] and knee:
+        assert f"knee: {knee['concurrency']:,.0f} in flight" in text
+        assert "this engine's SLO knee" not in text
+        seqs = d["max_num_seqs"]
+        if seqs * d["parallel"]["dp"] < knee["concurrency"]:
+            assert f"{seqs * d['parallel']['dp']:,} running at max-num-seqs {seqs:,}" in text

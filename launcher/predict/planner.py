@@ -459,9 +459,13 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
     p = goal.pins
     if best.capped_from is not None and a is not None:
         over = _point_note(goal, best, best.capped_from)
-        reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: this engine's SLO knee; "
-                       f"beyond it requests queue (TTFT grows) instead of slowing every "
-                       f"running one; {best.capped_from:,} would let {over}")
+        knee = a.knee.concurrency if a.knee is not None else None
+        waits = (f"; the knee, {knee:,.0f} in flight, is where that wait reaches the TTFT SLO"
+                 if knee is not None else "")
+        reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: the most requests that "
+                       "decode at once within the SLO; beyond it requests queue (TTFT "
+                       f"grows) instead of slowing every running one{waits}; "
+                       f"{best.capped_from:,} would let {over}")
     elif k.max_num_seqs is not None and p.max_num_seqs is None:
         reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: vLLM's default batch "
                        "leaves too little KV memory for the context")

@@ -358,8 +358,7 @@ class _ServeLoop:
         self.result.plan = d
         if number == 1:
             # a dry run prints the one command it would run, labelled, instead of the plan's
-            text = plan_text(d)
-            self.say(text.split("\n  command:")[0] if self.dry_run and plan.fits else text)
+            self.say(plan_text(d, command=not self.dry_run))
         if not plan.fits:
             self.out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
             self.result.exit_code = 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from .predict.capabilities import serve_argv
 from .redact import redact_args, redact_env
-from .run.vllmargs import in_serve_form, serve_program
 
 GiB = 1 << 30
 
@@ -109,7 +109,7 @@ def _figures(d: dict[str, Any]) -> list[str]:
 def vllm_command_of(d: dict[str, Any]) -> list[str]:
     """The plan's vLLM command in the form its vLLM version takes (`vllm serve MODEL ...`, the
     model positional; the API server module with --model before `vllm serve` existed)."""
-    return in_serve_form(serve_program(d.get("vllm_version")), redact_args(d["vllm_args"]))
+    return serve_argv(d.get("vllm_version"), redact_args(d["vllm_args"]))
 
 
 def _node_commands(d: dict[str, Any]) -> list[str]:

@@ -84,6 +84,20 @@ class VersionTraits:
         return feature in self.features
 
 
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def serve_argv(version: str | None, args: list[str]) -> list[str]:
+    """A printed command for vLLM `version`, from a plan's arguments (`--model MODEL ...`):
+    `vllm serve MODEL ...` where the release has `vllm serve` (the serve_cli gate; the model
+    positional, as it wants: it refused --model from 0.5.5, vLLM #7347, and deprecates it
+    since #25967), else `python -m vllm.entrypoints.openai.api_server --model MODEL ...`."""
+    if version is not None and not version_traits(version).has("serve_cli"):
+        return ["python", "-m", API_SERVER_MODULE, *args]
+    rest = args[1:] if args[:1] == ["--model"] and len(args) > 1 else args
+    return ["vllm", "serve", *rest]
+
+
 def gate_reason(feature: str, version: str) -> str:
     """Why a plan for `version` does without a feature, in one phrase."""
     row = table()["vllm_features"][feature]

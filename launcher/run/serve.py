@@ -50,6 +50,7 @@ from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadline_s
 from .exposure import exposure_warning, with_host
+from .extra_args import drop_flag, parallel_flags, pins_from_extra
 from .logpump import prefixed_echo
 from .runner import VllmRunner
 from .vllmargs import (
@@ -96,7 +97,7 @@ def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra:
     fix = replan_pins(pins, plan, failure)
     if fix is not None:
         new_pins, why = fix
-        new_extra = _drop_flag(extra, "--max-model-len") if new_pins.max_model_len else extra
+        new_extra = drop_flag(extra, "--max-model-len") if new_pins.max_model_len else extra
         if (new_pins, new_extra) != (pins, extra):
             return new_pins, new_extra, why, False
     if failure.transient and not transient_retried:
@@ -128,52 +129,6 @@ def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], di
         lines.append(f"  {name:24} {show(want):>14} {show(got):>14} {err:>8}")
         numbers[name] = {"planned": want, "actual": got}
     return lines, numbers
-
-
-PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
-                  ("pp", ("--pipeline-parallel-size", "-pp")),
-                  ("dp", ("--data-parallel-size", "-dp")))
-"""vLLM flags that change how many GPUs an engine needs: after `--` they are pins for the
-planner, never passed through behind its back (issue 13, item 7)."""
-
-
-def parallel_flags(extra: list[str]) -> dict[str, tuple[str, int]]:
-    """{pin: (flag as given, value)} for the layout flags in `extra`; InputError when a value
-    is not a positive whole number."""
-    found: dict[str, tuple[str, int]] = {}
-    for key, names in PARALLEL_FLAGS:
-        for name in names:
-            raw = arg_value(extra, name)
-            if raw is None:
-                continue
-            try:
-                value = int(raw)
-            except ValueError:
-                value = 0
-            if value < 1:
-                raise InputError(f"{name} {raw!r} after --: expected a whole number >= 1")
-            found[key] = (name, value)
-    return found
-
-
-def pins_from_extra(pins: Pins, extra: list[str]) -> tuple[Pins, list[str], list[str]]:
-    """Layout flags after `--` become pins (the plan is made with them, so a layout that needs
-    more GPUs than exist is refused like `--tp` would be). Returns (pins, extra without them,
-    notes)."""
-    found = parallel_flags(extra)
-    notes = []
-    for key, (name, value) in found.items():
-        mine = getattr(pins, key)
-        if mine is not None and mine != value:
-            raise InputError(f"--{key} {mine} (pinned) and {name} {value} after -- disagree; "
-                             "give one")
-        pins = dataclasses.replace(pins, **{key: value})
-        for _, names in PARALLEL_FLAGS:
-            if name in names:
-                for n in names:
-                    extra = _drop_flag(extra, n)
-        notes.append(f"{name} {value} after -- is a pin (--{key} {value}); planned with it")
-    return pins, extra, notes
 
 
 _runs = itertools.count(1)
@@ -512,7 +467,7 @@ class _ServeLoop:
             given = self.original or self.pins
             self.pins = dataclasses.replace(self.pins, kv_cache_dtype="auto",
                                             max_model_len=given.max_model_len)
-            self.extra = _drop_flag(self.extra, "--kv-cache-dtype")
+            self.extra = drop_flag(self.extra, "--kv-cache-dtype")
             return _NEXT
         explain_failure(runner, SimpleNamespace(log_tail=logged.splitlines()[-40:]), self.out)
         return _GIVE_UP
@@ -664,22 +619,6 @@ def learn_measured_kv(d: dict[str, Any], alloc: vllmlog.Allocation) -> str | Non
         return None
     path = measured.record(d, kv, f"vLLM {d['vllm_version']} startup plan")
     return f"{kv / GiB:.2f} GiB in {path}"
-
-
-def _drop_flag(args: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip and not a.startswith("--"):
-            skip = False
-            continue
-        skip = False
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out
 
 
 def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,

@@ -17,8 +17,6 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from ..predict.capabilities import version_traits
-
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_COMMAND_ENV = "VLAUNCH_VLLM_COMMAND"
 
@@ -58,14 +56,6 @@ def in_serve_form(program: Sequence[str], args: Sequence[str]) -> list[str]:
     if list(program[-1:]) == ["serve"] and args[:1] == ["--model"] and len(args) > 1:
         args = args[1:]
     return [*program, *args]
-
-
-def serve_program(version: str | None) -> list[str]:
-    """How a printed command starts vLLM `version`: `vllm serve` where that release has it
-    (the `serve_cli` gate of profiles/capabilities.yaml), the API server module before."""
-    if version is None or version_traits(version).has("serve_cli"):
-        return ["vllm", "serve"]
-    return ["python", "-m", API_SERVER_MODULE]
 
 
 def arg_value(args: Sequence[str], name: str) -> str | None:

@@ -291,7 +291,7 @@ def test_planner_fix_for_kv_shortage_uses_the_measured_estimate(h200_ctx):
     assert d.fix_args == ["--max-model-len", "90880"]
     # the run line is the failed launch (its --dp 8 from the log) with the fix applied
     assert d.serve_command.startswith("vlaunch serve deepseek-ai/DeepSeek-V3 --gpus 8xH200 ")
-    assert "--tp 1 --pp 1 --dp 8 --max-model-len 90880" in d.serve_command
+    assert "--tp 1 --pp 1 --dp 8 --expert-parallel --max-model-len 90880" in d.serve_command
     assert d.explain[0].startswith("checked by vlaunch's planner")
 
 
@@ -376,10 +376,13 @@ def test_no_kv_memory_fix_the_planner_refuses_is_never_shown(tmp_path):
     assert d.fix_args != ["--gpu-memory-utilization", "0.55"]
     assert any("0.55" in x and "does not fit" in x for x in d.explain)
     r = CliRunner().invoke(cli, ["doctor", str(log), "qwen3-8b", "--gpus", "1xL4"])
-    fix, run = _labelled_line(r.output, "fix"), _labelled_line(r.output, "run")
+    fix, run = _labelled_line(r.output, "fix"), _labelled_line(r.output, "or")
     flags = fix.split()
-    for i in range(0, len(flags), 2):
-        assert f"{flags[i]} {flags[i + 1]}" in run
+    for i, flag in enumerate(flags):  # every fix flag, with its value, in the vllm command
+        if flag.startswith("--"):
+            value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") \
+                else None
+            assert (f"{flag} {value}" if value else flag) in run, (fix, run)
 
 
 def test_max_len_fix_never_offers_more_kv_bytes_than_the_log_had(tmp_path):

@@ -72,7 +72,8 @@ class Diagnosis:
     fix_args: list[str] = field(default_factory=list)
     explain: list[str] = field(default_factory=list)
     fix_env: dict[str, str] = field(default_factory=dict)
-    serve_command: str | None = None
+    serve_command: str | None = None  # the fix as `vlaunch serve ...`
+    vllm_command: str | None = None  # the same fix as the `vllm serve ...` of the failed launch
     transient: bool = False
     source: str = ""
     numbers: dict[str, Any] = field(default_factory=dict)
@@ -83,6 +84,7 @@ class Diagnosis:
                 "ranks": self.ranks, "evidence": list(self.evidence),
                 "fix_args": list(self.fix_args), "explain": list(self.explain),
                 "fix_env": dict(self.fix_env), "serve_command": self.serve_command,
+                "vllm_command": self.vllm_command,
                 "transient": self.transient, "source": self.source,
                 "numbers": json_numbers(self.numbers), "first_line": self.first_line}
 

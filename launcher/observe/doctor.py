@@ -121,6 +121,8 @@ def render(report: Report, names: list[str], width: int = PIPED_WIDTH) -> str:
             out += _labelled("fix", fix, width)
         if d.serve_command:
             out += _labelled("run", d.serve_command, width)
+        if d.vllm_command:
+            out += _labelled(" or" if d.serve_command else "run", d.vllm_command, width)
     return "\n".join(out)
 
 

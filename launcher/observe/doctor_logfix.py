@@ -17,7 +17,7 @@ from typing import Any
 
 from ..inputs.vllm_failures import Diagnosis, Report
 from ..inputs.vllm_loglines import Facts
-from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
+from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES, serve_argv
 from ..predict.replan import merge_args
 from ..redact import SECRET_FLAGS
 
@@ -153,21 +153,35 @@ def _fix_no_kv(d: Diagnosis, facts: Facts) -> Fix:
         return Fix(["--gpu-memory-utilization", f"{min(0.95, util + 0.05):.2f}"],
                    explain=why + ["the weights fill the budget; a higher utilization leaves "
                                   "room for KV, more GPUs (--tensor-parallel-size) more so"])
+    fix = _more_gpus(facts, "the weights fill the GPU even at a high utilization")
+    return Fix(fix.args, explain=why + fix.explain)
+
+
+NODE_GPUS = 8  # GPUs of one HGX/DGX node (H100, H200, B200): the most one NVLink domain holds
+
+
+def _more_gpus(facts: Facts, why: str) -> Fix:
+    """Weights that do not fit: twice the tensor-parallel GPUs while one node holds them; the
+    log names no hardware, so beyond NODE_GPUS it names no layout (a node cannot hold it) and
+    points at the planner, which says what would: more nodes, another GPU, quantization."""
     tp = int(facts.arg("tensor_parallel_size") or 1)
-    return Fix(["--tensor-parallel-size", str(tp * 2)],
-               explain=why + ["the weights fill the GPU even at a high utilization: split "
-                              "them over twice the GPUs"])
+    pp = int(facts.arg("pipeline_parallel_size") or 1)
+    text = why.format(world=tp * pp)
+    if tp * 2 * pp <= NODE_GPUS:
+        return Fix(["--tensor-parallel-size", str(tp * 2)],
+                   explain=[f"{text}; split them over twice the GPUs (if the node has "
+                            f"{tp * 2 * pp}) or use a quantized checkpoint"])
+    return Fix(explain=[f"{text}, and {tp * 2 * pp} GPUs are more than one node holds: more "
+                        "nodes, another GPU or a quantized checkpoint; `vlaunch doctor LOG "
+                        "MODEL --gpus ...` says which fits (vlaunch plan's 'what would fit')"])
 
 
 def _fix_oom(d: Diagnosis, facts: Facts) -> Fix:
     util = _util(facts)
     c = d.consumer
     if c == "weights":
-        tp = int(facts.arg("tensor_parallel_size") or 1)
-        return Fix(["--tensor-parallel-size", str(tp * 2)],
-                   explain=["out of memory while loading the weights: they do not fit on "
-                            f"{tp} GPU(s) beside what else is there; split them over twice the "
-                            "GPUs or use a quantized checkpoint"])
+        return _more_gpus(facts, "out of memory while loading the weights: they do not fit on "
+                                 "{world} GPU(s) beside what else is there")
     if c == "cuda_graphs":
         return Fix(["--gpu-memory-utilization", f"{_floor2(util - 0.05):.2f}"],
                    explain=["out of memory while capturing CUDA graphs: the KV cache left too "
@@ -387,6 +401,7 @@ def apply_log_fixes(report: Report) -> None:
         d.fix_args, d.fix_env = fix.args, fix.env
         d.explain = fix.explain + d.explain
         d.serve_command = serve_command_from_log(report.facts, fix)
+        d.vllm_command = vllm_command_from_log(report.facts, fix.args, fix.env)
 
 
 def flag_of(name: str) -> str:
@@ -422,8 +437,24 @@ def shell_join(words: list[str]) -> str:
 
 
 def _override(args: list[str], fix: list[str]) -> list[str]:
-    """`args` with every flag in `fix` replacing the same flag (a fix wins)."""
-    return merge_args(args, fix)[0]
+    """`args` with every flag in `fix` replacing the same flag (a fix wins); a fix that turns
+    a switch off (`--no-enforce-eager`) drops the switch (off is vLLM's default)."""
+    off = {f"--{f[5:]}" for f in fix if f.startswith("--no-")}
+    kept = [a for a in args if a not in off]
+    return merge_args(kept, [f for f in fix if not f.startswith("--no-")])[0]
+
+
+def vllm_command_from_log(facts: Facts, fix_args: list[str], env: dict[str, str]) -> str | None:
+    """The `vllm serve` command of the failed launch (its "non-default args", the model as it
+    named it) with the fix's flags on top and its environment in front, in the form the log's
+    vLLM version takes (`serve_argv`): what a user who runs vLLM without vlaunch pastes."""
+    model = facts.model
+    if not model or not (fix_args or env):
+        return None
+    argv = serve_argv(facts.version, ["--model", str(model),
+                                      *_override(_log_args(facts), fix_args)])
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    return (prefix + " " if prefix else "") + shell_join(argv)
 
 
 def serve_command_from_log(facts: Facts, fix: Fix) -> str | None:

@@ -22,9 +22,15 @@ from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
 from ..inputs.vllm_failures import Diagnosis, Report, to_failure
 from ..inputs.vllm_loglines import Facts
+from ..predict.capabilities import (
+    batch_defaults,
+    default_vllm_version,
+    serve_argv,
+    version_traits,
+)
 from ..predict.planner import Pins, inputs_from_plan, make_plan
 from ..predict.replan import replan_pins
-from .doctor_logfix import flag_of
+from .doctor_logfix import flag_of, shell_join, vllm_command_from_log
 
 # --- fixes checked by the planner --------------------------------------------------------------
 
@@ -108,31 +114,45 @@ _ARG_PINS = {"max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_me
              "kv_cache_dtype": "kv_cache_dtype", "tensor_parallel_size": "tp",
              "pipeline_parallel_size": "pp", "data_parallel_size": "dp",
              "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-             "kv_cache_memory_bytes": "kv_cache_memory_bytes", "enforce_eager": "enforce_eager"}
+             "kv_cache_memory_bytes": "kv_cache_memory_bytes", "enforce_eager": "enforce_eager",
+             "enable_expert_parallel": "expert_parallel"}
 _FLAG_PINS = {flag_of(k): v for k, v in _ARG_PINS.items()}
 _FLAG_PINS.update({"--tp": "tp", "--pp": "pp", "--dp": "dp"})
+# Every decision a fix may change, and its vLLM flag: `fix:` names each one that differs from
+# the failed launch, `run:` pins every one.
+DECISIONS = (("tp", "--tensor-parallel-size"), ("pp", "--pipeline-parallel-size"),
+             ("dp", "--data-parallel-size"), ("expert_parallel", "--enable-expert-parallel"),
+             ("max_model_len", "--max-model-len"), ("kv_cache_dtype", "--kv-cache-dtype"),
+             ("gpu_memory_utilization", "--gpu-memory-utilization"),
+             ("kv_cache_memory_bytes", "--kv-cache-memory-bytes"),
+             ("max_num_seqs", "--max-num-seqs"),
+             ("max_num_batched_tokens", "--max-num-batched-tokens"),
+             ("enforce_eager", "--enforce-eager"))
+_VLAUNCH_OPTIONS = {"tp": "--tp", "pp": "--pp", "dp": "--dp"}  # the rest: vLLM's own name
 
 
 def launch_pins(ctx: PlanContext, facts: Facts) -> Any:
     """The pins of the launch that failed: the context's, with every setting the log shows it
-    ran with (its "non-default args", the max model len it used, its vLLM version) on top, so
-    a fix is checked against what really ran, not against what the planner would choose."""
+    ran with on top (its "non-default args", the max model len it used, its vLLM version), and,
+    where the log lists its non-default args, every other decision at vLLM's default (KV in
+    the model's dtype, one GPU per engine, the version's utilization and batch limits): a fix
+    is checked against exactly what ran, never against what the planner would have chosen
+    (a fix that fits only because the planner picks fp8 KV names --kv-cache-dtype fp8)."""
     changes: dict[str, Any] = {}
-    if facts.args:  # "non-default args" lists every non-default: an absent one was vLLM's
-        changes.update(tp=1, pp=1, dp=1,
-                       expert_parallel=bool(facts.arg("enable_expert_parallel")))
-        if not facts.arg("speculative_config"):
-            changes.update(speculative=False, num_speculative_tokens=None)
     for key, pin in _ARG_PINS.items():
         value = facts.arg(key)
         if value is not None and value is not False:
             changes[pin] = value
     used = facts.number("max_model_len")
-    if "max_model_len" not in changes and used and ctx.pins.max_model_len is None:
+    if "max_model_len" not in changes and used and (facts.args or ctx.pins.max_model_len is None):
         changes["max_model_len"] = int(used)
-    version = facts.numbers.get("vllm_version")
-    if isinstance(version, str) and ctx.pins.vllm_version is None:
+    version = facts.version
+    if version and ctx.pins.vllm_version is None:
         changes["vllm_version"] = version.split("+")[0]
+    if facts.args:  # "non-default args" lists every non-default: an absent one was vLLM's,
+        # whatever a plan or the command line said (the log is what ran)
+        for name, value in _vllm_defaults(ctx, changes, facts).items():
+            changes.setdefault(name, value)
     pins = dataclasses.replace(ctx.pins, **changes)
     try:
         pins.validate()
@@ -141,20 +161,44 @@ def launch_pins(ctx: PlanContext, facts: Facts) -> Any:
     return pins
 
 
+def _vllm_defaults(ctx: PlanContext, known: dict[str, Any], facts: Facts) -> dict[str, Any]:
+    """What vLLM ran with for every decision its "non-default args" leave out."""
+    out: dict[str, Any] = {"tp": 1, "pp": 1, "dp": 1, "expert_parallel": False,
+                           "kv_cache_dtype": "auto", "max_model_len": ctx.spec.max_context,
+                           "enforce_eager": False, "kv_cache_memory_bytes": None}
+    if not facts.arg("speculative_config"):
+        out.update(speculative=False, num_speculative_tokens=None)
+    version = known.get("vllm_version") or ctx.pins.vllm_version
+    try:
+        traits = version_traits(version or default_vllm_version())
+    except InputError:
+        return out
+    hw = ctx.hardware
+    out.update(gpu_memory_utilization=None, max_num_seqs=None, max_num_batched_tokens=None)
+    if not hw.is_cpu:
+        if "kv_cache_memory_bytes" not in known:
+            out["gpu_memory_utilization"] = traits.default_gpu_memory_utilization
+        world = int(known.get("tp", 1)) * int(known.get("pp", 1))
+        tokens, seqs = batch_defaults(hw, world, traits.version)
+        out.update(max_num_batched_tokens=tokens, max_num_seqs=seqs)
+    return out
+
+
 def _with_flags(pins: Any, args: list[str]) -> Any | None:
     """`pins` with a fix's vLLM flags applied; None when a flag is not a planner decision."""
     changes: dict[str, Any] = {}
     i = 0
     while i < len(args):
         name = args[i]
-        pin = _FLAG_PINS.get(name)
+        off = name.startswith("--no-") and f"--{name[5:]}" in _FLAG_PINS
+        pin = _FLAG_PINS.get(f"--{name[5:]}" if off else name)
         value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
         i += 2 if value is not None else 1
         if pin is None:
             return None
-        if pin == "enforce_eager":
-            changes[pin] = True
-        elif pin in ("gpu_memory_utilization",):
+        if pin in ("enforce_eager", "expert_parallel"):
+            changes[pin] = not off
+        elif pin == "gpu_memory_utilization":
             changes[pin] = float(value or 0)
         elif pin == "kv_cache_dtype":
             changes[pin] = value
@@ -168,10 +212,14 @@ def _failure_of(d: Diagnosis) -> Any:
     return to_failure(d)
 
 
+_LAYOUT_FREE = {"tp": None, "pp": None, "dp": None, "expert_parallel": None}
+
+
 def _candidates(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> Iterator[
         tuple[Any, str]]:
     """Pins that might fix the failure, best first: the log's own fix, vLLM's measured
-    re-plan, then the planner's own choice of the decision the failure is about."""
+    re-plan, then the planner's own choice of the decision the failure is about. The hardware
+    is the context's: a layout is never one these GPUs cannot hold."""
     if d.fix_args:
         fixed = _with_flags(pins, d.fix_args)
         if fixed is not None:
@@ -180,18 +228,24 @@ def _candidates(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> Iterato
         got = _replanned(d, ctx, pins, plan)
         if got is not None:
             yield got
-    if d.cause in ("kv_cache_too_small", "no_kv_cache_memory"):
+    if d.cause in ("kv_cache_too_small", "no_kv_cache_memory", "free_memory_below_utilization"):
         if pins.gpu_memory_utilization is not None and pins.kv_cache_memory_bytes is None \
-                and not ctx.hardware.is_cpu:
+                and not ctx.hardware.is_cpu and d.cause != "free_memory_below_utilization":
             yield (dataclasses.replace(pins, gpu_memory_utilization=None),
                    "the planner's utilization for this context")
         if pins.max_model_len is not None:
-            yield (dataclasses.replace(pins, max_model_len=None),
+            base = pins if plan is None else (_replanned(d, ctx, pins, plan) or (pins,))[0]
+            yield (dataclasses.replace(base, max_model_len=None),
                    "the longest context the planner fits")
+            if base.gpu_memory_utilization is not None and not ctx.hardware.is_cpu \
+                    and base.kv_cache_memory_bytes is None:
+                yield (dataclasses.replace(base, max_model_len=None, gpu_memory_utilization=None),
+                       "the planner's utilization and the longest context it fits")
     if d.cause in ("cuda_oom", "sampler_warmup_oom") and pins.max_num_seqs is not None:
         yield dataclasses.replace(pins, max_num_seqs=None), "the planner's --max-num-seqs"
-
-
+    if d.consumer == "weights" or d.cause == "tp_not_divisible":
+        yield (dataclasses.replace(pins, **_LAYOUT_FREE),
+               "a layout of these GPUs that holds the weights")
 def _replanned(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> tuple[Any, str] | None:
     """New pins for the failure, from what the log measured; None when no pin helps."""
     if d.cause in ("kv_cache_too_small", "free_memory_below_utilization"):
@@ -212,23 +266,22 @@ def _replanned(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> tuple[An
     return None
 
 
-_PIN_FLAGS = {"max_model_len": "--max-model-len", "kv_cache_dtype": "--kv-cache-dtype",
-              "gpu_memory_utilization": "--gpu-memory-utilization",
-              "max_num_seqs": "--max-num-seqs",
-              "max_num_batched_tokens": "--max-num-batched-tokens",
-              "kv_cache_memory_bytes": "--kv-cache-memory-bytes", "tp": "--tensor-parallel-size",
-              "enforce_eager": "--enforce-eager"}
-
-
-def _changed_flags(old: Any, new: Any, settled: Any) -> list[str]:
-    """The vLLM flags of the decisions the fix changed (`old` -> `new`, a pin set or released
-    to the planner), each with the value of the plan that was checked (`settled`)."""
+def fix_flags(failed: Any, new: Any, settled: Any) -> list[str]:
+    """Every vLLM flag whose value in the checked plan (`settled`) differs from the failed
+    launch (`failed`): a fix names all it changes (KV dtype, context, layout, ...), never
+    only the one its rule is about. A decision the log does not show (None) counts only when
+    the fix itself set or released it (`new`)."""
     out: list[str] = []
-    for name, flag in _PIN_FLAGS.items():
-        value = getattr(settled, name)
-        if getattr(old, name) == getattr(new, name) or value is None or value is False:
+    for name, flag in DECISIONS:
+        before, after = getattr(failed, name), getattr(settled, name)
+        if after is None or after == before or (before is None and getattr(new, name)
+                                                 == getattr(failed, name)):
             continue
-        out += [flag] if value is True else [flag, _fmt(name, value)]
+        if isinstance(after, bool):
+            if after or before:
+                out.append(flag if after else f"--no-{flag[2:]}")
+            continue
+        out += [flag, _fmt(name, after)]
     return out
 
 
@@ -249,10 +302,13 @@ PLANNED_CAUSES = {"kv_cache_too_small", "no_kv_cache_memory", "free_memory_below
 
 
 def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
-    """Run every fix through the planner with the failed launch's own settings: the first
-    candidate (the log's fix, the measured re-plan, the planner's own choice) that the
-    planner says fits becomes the fix, and the `fix:` flags and the `run:` command come from
-    the same pins. A fix the planner says will not fit is never shown."""
+    """Run every fix through the planner with exactly the failed launch's settings plus the
+    fix: the first candidate (the log's fix, the measured re-plan, the planner's own choice)
+    that the planner says fits becomes the fix; `fix:` names every flag that differs from the
+    failed launch, and both `run:` commands (vlaunch serve with every decision pinned, and the
+    failed launch's vllm serve with those flags on top) come from the same checked plan. A fix
+    the planner says will not fit is never shown; where nothing fits these GPUs, the plan's
+    own alternatives are (more nodes, another GPU, a quantized checkpoint)."""
     if not any(d.cause in PLANNED_CAUSES for d in report.diagnoses):
         return  # nothing the planner decides (a port, a missing module): no plan to make
     pins = launch_pins(ctx, report.facts)
@@ -270,16 +326,55 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
                                    f"vlaunch's planner: {_problem(plan)}")
                 continue
             settled = _settled(new, plan)
-            d.fix_args = _changed_flags(pins, new, settled)
+            flags = fix_flags(pins, new, settled)
+            if not flags and not d.fix_env:
+                continue  # the launch's own settings: no fix
+            d.fix_args = flags
             d.explain = ([f"checked by vlaunch's planner ({_SOURCES[ctx.source]}): {why}"]
                          + refused + d.explain)
             d.serve_command = serve_command_from_pins(ctx, settled, d.fix_env)
+            d.vllm_command = (vllm_command_from_log(report.facts, d.fix_args, d.fix_env)
+                              if report.facts.args else
+                              _vllm_command_of_plan(plan, d.fix_env))
             break
         else:
-            d.explain = refused + d.explain + [
-                "vlaunch's planner found no fix that fits this model on this hardware with "
+            d.explain = refused + d.explain + _beyond_these_gpus(ctx, pins, failed)
+            d.fix_args, d.serve_command, d.vllm_command = [], None, None
+
+
+_MORE_GPUS = re.compile(r"^more GPUs: (\S+) fits")
+
+
+def _beyond_these_gpus(ctx: PlanContext, pins: Any, failed: Any) -> list[str]:
+    """Nothing fits these GPUs with the launch's settings: what the planner says would (its
+    `what would fit` for this launch: more nodes with the multi-node plan, another GPU, a
+    quantized checkpoint or a smaller model), each with the command that plans it."""
+    plan = _plan(ctx, dataclasses.replace(pins, **_LAYOUT_FREE)) or failed
+    ideas = list(plan.suggestions) if plan is not None else []
+    if not ideas:
+        return ["vlaunch's planner found no fix that fits this model on this hardware with "
                 "these settings"]
-            d.fix_args, d.serve_command = [], None
+    out = ["vlaunch's planner found no fix that fits these GPUs with these settings; what "
+           "would fit, as `vlaunch plan` says:"]
+    model = ctx.spec.path or ctx.spec.hf_id or ctx.spec.name
+    for idea in ideas:
+        m = _MORE_GPUS.match(idea)
+        gpus = m.group(1) if m else ""
+        if gpus.count("x") >= 2:  # NODESxGPUSxKIND: the multi-node plan
+            how = (f" (`vlaunch plan {shlex.quote(model)} --gpus {gpus} --emit DIR`, then "
+                   "`vlaunch exec --plan DIR` on each node)")
+        else:
+            how = f" (`vlaunch serve {shlex.quote(model)} --gpus {gpus}`)" if gpus else ""
+        out.append(f"{idea}{how}")
+    return out
+
+
+def _vllm_command_of_plan(plan: Any, env: dict[str, str]) -> str:
+    """The checked plan's own vLLM command (no log arguments to start from)."""
+    d = plan.to_dict()
+    words = serve_argv(d.get("vllm_version"), list(d["vllm_args"]))
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**d["env"], **env}.items())
+    return (prefix + " " if prefix else "") + shell_join(words)
 
 
 def _fits(plan: Any) -> bool:
@@ -327,32 +422,41 @@ _SOURCES = {"model": "the model and GPUs given", "plan": "the plan given",
 
 
 def _settled(pins: Any, plan: Any) -> Any:
-    """The pins with each pinned decision set to what the plan made of it (the planner may
-    raise --max-num-batched-tokens to the context on CPU), and every decision the fix leaves
-    to the planner pinned to the plan's choice, so the command runs exactly the checked plan."""
+    """Every decision at what the checked plan made of it (a pin as the planner took it, a
+    released one as it chose), so the `run:` commands run exactly the checked plan."""
     c = plan.chosen
-    made = {"tp": c.layout.tp, "pp": c.layout.pp, "dp": c.layout.dp,
-            "max_model_len": c.max_model_len, "kv_cache_dtype": c.kv_dtype,
-            "gpu_memory_utilization": round(c.utilization, 2), "max_num_seqs": c.max_num_seqs,
-            "max_num_batched_tokens": c.max_num_batched_tokens}
-    keep = {k: v for k, v in made.items() if getattr(pins, k) is not None}
-    for name in ("max_model_len", "gpu_memory_utilization"):  # the decisions fixes are about
-        keep.setdefault(name, made[name])
-    if pins.kv_cache_memory_bytes is not None:
-        keep.pop("gpu_memory_utilization", None)
-    return dataclasses.replace(pins, **keep)
+    made: dict[str, Any] = {
+        "tp": c.layout.tp, "pp": c.layout.pp, "dp": c.layout.dp,
+        "expert_parallel": c.layout.expert_parallel, "max_model_len": c.max_model_len,
+        "kv_cache_dtype": c.kv_dtype, "gpu_memory_utilization": round(c.utilization, 2),
+        "max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
+        "enforce_eager": bool(pins.enforce_eager or plan.enforce_eager)}
+    if pins.kv_cache_memory_bytes is not None or plan.hardware.is_cpu:
+        made["gpu_memory_utilization"] = pins.gpu_memory_utilization
+    return dataclasses.replace(pins, **made)
 
 
 def serve_command_from_pins(ctx: PlanContext, pins: Any, env: dict[str, str]) -> str:
+    """`vlaunch serve MODEL --gpus G` with every decision of the checked plan pinned (and its
+    vLLM version): pasted, it plans exactly that plan again."""
     args = ["vlaunch", "serve", ctx.spec.path or ctx.spec.hf_id or ctx.spec.name]
     if ctx.gpus:
         args += ["--gpus", ctx.gpus]
-    for name in ("tp", "pp", "dp", "max_model_len", "kv_cache_dtype", "gpu_memory_utilization",
-                 "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+    for name, flag in DECISIONS:
         value = getattr(pins, name)
-        if value is not None:
-            args += [flag_of(name), _fmt(name, value)]
-    if pins.enforce_eager:
-        args.append("--enforce-eager")
+        option = _VLAUNCH_OPTIONS.get(name, flag)
+        if name == "expert_parallel":
+            if value is not None and ctx.spec.is_moe:  # a dense model has no experts
+                args.append("--expert-parallel" if value else "--no-expert-parallel")
+        elif value is True:
+            args.append(option)
+        elif value is not None and value is not False:
+            args += [option, _fmt(name, value)]
+    if pins.speculative is False:
+        args.append("--no-mtp")
+    elif pins.speculative and pins.num_speculative_tokens:
+        args += ["--num-speculative-tokens", str(pins.num_speculative_tokens)]
+    if pins.vllm_version:
+        args += ["--vllm-version", pins.vllm_version]
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return (prefix + " " if prefix else "") + shlex.join(args)

@@ -34,7 +34,7 @@ from launcher.inputs.hardware import parse_gpus
 from launcher.observe import doctor
 from launcher.observe import doctor_logfix as dlf
 from launcher.observe import doctor_plancheck as dpc
-from launcher.predict.planner import Pins
+from launcher.predict.planner import Pins, make_plan
 from launcher.run import vllmlog
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
@@ -883,3 +883,111 @@ def test_stdin_past_its_cap_says_so_and_exits_2(monkeypatch):
     assert r.exit_code == 2 and "more than" in r.output
     r = CliRunner().invoke(cli, ["doctor", "-"], input=text[:4000])
     assert r.exit_code in (0, 1), r.output
+
+
+# --- the printed fix pastes as it is (issue 30, item 1) ------------------------------------------
+
+_LOG_HEAD = ("(APIServer pid=1) INFO 11-30 10:00:01 [api_utils.py:327] vLLM server version "
+             "0.32.0, serving model {model}\n(APIServer pid=1) INFO 11-30 10:00:02 "
+             "[api_utils.py:286] non-default args: {args!r}\n")
+_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a "
+        "total capacity of 79.19 GiB of which 1.21 GiB is free.")
+_PASTE_CASES = [  # (log args, error, MODEL, --gpus): the issue's own cases and a few more
+    ({"model": "meta-llama/Llama-3.1-8B-Instruct"}, "ValueError: Free memory on device cuda:0 "
+     "(30.12/79.19 GiB) on startup is less than desired GPU memory utilization (0.92, 72.85 "
+     "GiB).", "llama-3.1-8b", "1xH100"),
+    ({"model": "Qwen/Qwen3-8B", "gpu_memory_utilization": 0.5}, "ValueError: No available "
+     "memory for the cache blocks.", "qwen3-8b", "1x32GiB"),
+    ({"model": "Qwen/Qwen3-8B", "max_model_len": 40960, "kv_cache_dtype": "fp8"},
+     "ValueError: No valid attention backend found for cuda with kv_cache_dtype=fp8: "
+     "kv_cache_dtype not supported", "qwen3-8b", "1xL4"),
+    ({"model": "meta-llama/Llama-3.1-70B-Instruct", "tensor_parallel_size": 2}, _OOM,
+     "llama-3.1-70b", "8xH100"),
+    ({"model": "deepseek-ai/DeepSeek-V3", "tensor_parallel_size": 8}, _OOM, "deepseek-v3",
+     "8xH100"),
+]
+
+
+def _vllm_launch_log(tmp_path: Path, words: list[str]) -> Path:
+    """A `vllm serve MODEL FLAGS` command read back as the launch it would be: its flags as the
+    "non-default args" vLLM would log for it (what the doctor plans a launch from)."""
+    assert words[:2] == ["vllm", "serve"] and not words[2].startswith("--"), words
+    args: dict = {"model": words[2]}
+    i = 3
+    while i < len(words):
+        key = words[i][2:].replace("-", "_")
+        if i + 1 < len(words) and not words[i + 1].startswith("--"):
+            raw = words[i + 1]
+            args[key] = int(raw) if raw.isdigit() else (
+                float(raw) if raw.replace(".", "", 1).isdigit() else raw)
+            i += 2
+        else:
+            args[key] = True
+            i += 1
+    log = tmp_path / "relaunch.log"
+    log.write_text(_LOG_HEAD.format(model=words[2], args=args))
+    return log
+
+
+def _flags(words: list[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for i, w in enumerate(words):
+        if w.startswith("--"):
+            nxt = words[i + 1] if i + 1 < len(words) else None
+            out[w] = nxt if nxt is not None and not nxt.startswith("--") else None
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(_PASTE_CASES)))
+def test_the_printed_fix_pastes_and_replans_to_a_plan_that_fits(case, tmp_path: Path):
+    """Parse the printed `fix:`, `run:` and `or:` lines as a user would paste them: the
+    vlaunch command plans (exit 0, FITS) to exactly the decisions it pins; the vllm serve
+    command, read back as a launch (its flags as vLLM's non-default args), plans to a fit at
+    the same settings; every fix flag is in both, with its value. Where nothing fits these
+    GPUs, no command is shown and the plan's alternatives are (never a layout beyond them)."""
+    import shlex
+
+    args, error, model, gpus = _PASTE_CASES[case]
+    log = tmp_path / "vllm.log"
+    log.write_text(_LOG_HEAD.format(model=args["model"], args=args)
+                   + "(Worker_TP0 pid=3) INFO 11-30 10:00:05 [gpu_model_runner.py:5040] "
+                   f"Starting to load model {args['model']}...\n"
+                   f"(Worker_TP0 pid=3) ERROR 11-30 10:00:09 [core.py:1010] {error}\n")
+    out = CliRunner().invoke(cli, ["doctor", str(log), model, "--gpus", gpus]).output
+    if "  fix: " not in out:
+        assert "  run: " not in out and "what would fit" in out, out
+        assert "--tensor-parallel-size 16" not in out
+        return
+    fix = _flags(shlex.split(_labelled_line(out, "fix")))
+    run = shlex.split(_labelled_line(out, "run"))
+    vllm = [w for w in shlex.split(_labelled_line(out, "or")) if "=" not in w or w.startswith("-")]
+    # the vlaunch command, pasted with `plan` for `serve`, plans to what it pins
+    assert run[:2] == ["vlaunch", "serve"]
+    r = CliRunner().invoke(cli, ["plan", *run[2:], "--format", "json"])
+    assert r.exit_code == 0, (run, r.output)
+    d = json.loads(r.output)
+    pinned = _flags(run)
+    assert d["fits"], run
+    got = {"--tp": d["parallel"]["tp"], "--pp": d["parallel"]["pp"], "--dp": d["parallel"]["dp"],
+           "--max-model-len": d["max_model_len"], "--kv-cache-dtype": d["kv_cache"]["dtype"],
+           "--max-num-seqs": d["max_num_seqs"],
+           "--max-num-batched-tokens": d["max_num_batched_tokens"],
+           "--gpu-memory-utilization": f"{d['gpu_memory_utilization']:.2f}"}
+    for flag, value in got.items():
+        if flag in pinned:
+            assert str(value) == pinned[flag], (flag, value, run)
+    # the vllm serve command, read back as a launch, plans to a fit
+    again = doctor.diagnose(str(_vllm_launch_log(tmp_path, vllm)),
+                            dpc.context_from_model(model, gpus, Pins(), {}, parse_gpus(gpus)))
+    assert again[0].diagnoses == []  # no failure in it: it is a launch, not a log of one
+    relaunch = vlf.scan_source(str(_vllm_launch_log(tmp_path, vllm)))[0]
+    ctx = dpc.context_from_model(model, gpus, Pins(), {}, parse_gpus(gpus))
+    plan = make_plan(ctx.spec, ctx.hardware, dpc.launch_pins(ctx, relaunch.facts))
+    assert plan.fits, (vllm, plan.chosen.problem)
+    # fix: and both run: commands agree
+    for flag, value in fix.items():
+        assert flag in _flags(vllm) and _flags(vllm)[flag] == value, (flag, vllm)
+        mine = dlf._VLAUNCH_PINS.get(flag, flag)
+        if flag == "--enable-expert-parallel":
+            mine = "--expert-parallel"
+        assert mine in pinned and pinned[mine] == value, (flag, run)

@@ -241,6 +241,10 @@ def _candidates(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> Iterato
                     and base.kv_cache_memory_bytes is None:
                 yield (dataclasses.replace(base, max_model_len=None, gpu_memory_utilization=None),
                        "the planner's utilization and the longest context it fits")
+    if d.cause in ("kv_cache_dtype_unsupported", "invalid_kv_cache_dtype") \
+            and pins.max_model_len is not None:
+        yield (dataclasses.replace(pins, kv_cache_dtype="auto", max_model_len=None),
+               "KV cache in the model dtype, at the longest context that fits")
     if d.cause in ("cuda_oom", "sampler_warmup_oom") and pins.max_num_seqs is not None:
         yield dataclasses.replace(pins, max_num_seqs=None), "the planner's --max-num-seqs"
     if d.consumer == "weights" or d.cause == "tp_not_divisible":

@@ -91,8 +91,9 @@ RULES: tuple[Rule, ...] = (
         "_dummy_pooler_run (0.9: \"pooler with\"; 0.10 on: \"pooler (task=...) with\")",
         phase="profiling"),
     Rule("cuda_oom", _r(
-        r"CUDA out of memory|torch\.(?:cuda\.)?OutOfMemoryError|CUDA error: out of memory"
-        r"|Failed to load model - not enough GPU memory|HIP out of memory"),
+        r"(?=.*?GPU \d+ has a total capacity of (?P<total>[\d.]+) GiB)?"
+        r"(?:CUDA out of memory|torch\.(?:cuda\.)?OutOfMemoryError|CUDA error: out of memory"
+        r"|Failed to load model - not enough GPU memory|HIP out of memory)"),
         "by_phase", "DEVICE_OOM",
         "torch's caching allocator (\"CUDA out of memory. Tried to allocate ...\"); "
         "v1/worker/gpu_model_runner.py GPUModelRunner.load_model logs \"Failed to load model - "

@@ -87,6 +87,8 @@ def context_from_log(report: Report) -> PlanContext | None:
         with _offline():
             spec = load_model(model)
         hw = parse_gpus(gpus)
+        if total and not facts.cpu:  # vLLM and torch print CUDA's total, not NVML's
+            hw = dataclasses.replace(hw, cuda_total_bytes=int(total * (1 << 30)))
         pins = Pins()
         return PlanContext(spec, hw, pins, None, gpus, source="log")
     except InputError:
@@ -317,6 +319,9 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
         return  # nothing the planner decides (a port, a missing module): no plan to make
     pins = launch_pins(ctx, report.facts)
     failed = _plan(ctx, pins)
+    if failed is not None and not failed.fits and _loaded(report):
+        _planner_disagrees(report, failed)
+        return
     for d in report.diagnoses:
         if d.cause not in PLANNED_CAUSES:
             continue
@@ -344,6 +349,22 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
         else:
             d.explain = refused + d.explain + _beyond_these_gpus(ctx, pins, failed)
             d.fix_args, d.serve_command, d.vllm_command = [], None, None
+
+
+def _loaded(report: Report) -> bool:
+    """The log shows the weights loaded (it got to profiling or later)."""
+    return report.phase in ("profiling", "kv_cache", "capturing_graphs", "ready", "serving")
+
+
+def _planner_disagrees(report: Report, failed: Any) -> None:
+    """The planner predicts the launch's weights do not fit these GPUs, yet the log shows they
+    loaded: its check would be wrong here, so the log's own fixes stay, unchecked, saying
+    why (never replaced by the planner's alternatives to a launch that ran)."""
+    why = (f"not checked by vlaunch's planner: it predicts this launch does not fit these GPUs "
+           f"({_problem(failed)}), yet the log shows the weights loaded")
+    for d in report.diagnoses:
+        if d.cause in PLANNED_CAUSES:
+            d.explain.append(why)
 
 
 _MORE_GPUS = re.compile(r"^more GPUs: (\S+) fits")

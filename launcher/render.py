@@ -37,11 +37,12 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def plan_text(d: dict[str, Any], command: bool = True) -> str:
+def plan_text(d: dict[str, Any], command: bool | list[str] = True) -> str:
     """The text form of a plan dict (the same dict `--format json` prints). What will happen
     comes first (the verdict, why it does not fit, the warnings, the command or what would
     fit), then the figures, then the reasons: a reader sees what to act on before forty lines
-    of why. `command`: print the plan's own command (a dry run prints its own instead)."""
+    of why. `command`: the plan's own command (True), none (False), or these lines in its place
+    (what a dry run will run)."""
     m, g = d["model"], d["gpus"]
     gpus = "cpu" if g["platform"] == "cpu" else (
         f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}" if g["nodes"] > 1
@@ -52,7 +53,7 @@ def plan_text(d: dict[str, Any], command: bool = True) -> str:
         lines.append(f"  why it does not fit: {d['problem']}")
     lines += _items("warnings", d.get("warnings"))
     if d["fits"] and command:
-        lines += _command_lines(d)
+        lines += command if isinstance(command, list) else _command_lines(d)
     lines += _items("what would fit", d.get("suggestions"))
     lines += _figures(d)
     lines += performance_lines(d)

@@ -143,8 +143,11 @@ def test_serve_dry_run_prints_one_labelled_command_on_a_fixed_port(monkeypatch):
     assert len(labels) == 1 and "port 8000" in labels[0]
     assert not any(x.strip() == "command:" for x in lines)
     after = lines[lines.index(labels[0]) + 1:]
-    assert all(x.endswith(" \\") for x in after[:-1]) and "--port 8000" in " ".join(after)
-    assert all(len(x) <= 90 for x in after + labels)
+    cmd = after[:next(i for i, x in enumerate(after) if not x.endswith(" \\")) + 1]
+    assert all(x.endswith(" \\") for x in cmd[:-1]) and "--port 8000" in " ".join(cmd)
+    assert all(len(x) <= 90 for x in lines)
+    # what will run comes before the figures and the reasons
+    assert lines.index(labels[0]) < next(i for i, x in enumerate(lines) if x.startswith("  model:"))
     r = CliRunner().invoke(cli, [*args, "--format", "json"])
     doc = json.loads(r.stdout)
     assert doc["exit_code"] == 0 and doc["command"][-4:-2] == ["--port", "8000"] or \

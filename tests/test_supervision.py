@@ -78,7 +78,15 @@ def model(tmp_path: Path) -> Path:
 
 
 def _last_command(lines: list[str]) -> str:
-    """The last command a dry run printed, its backslash-continued lines joined."""
+    """The command a dry run printed (after its "would run" label, or the last one), its
+    backslash-continued lines joined."""
+    lines = [x for text in lines for x in text.split("\n")]
+    labels = [n for n, x in enumerate(lines) if "would run" in x]
+    if labels:
+        i = end = labels[-1] + 1
+        while end < len(lines) - 1 and lines[end].endswith(" \\"):
+            end += 1
+        return " ".join(x.strip().removesuffix("\\").strip() for x in lines[i:end + 1])
     i = len(lines) - 1
     while i > 0 and lines[i - 1].endswith(" \\"):
         i -= 1

@@ -311,9 +311,8 @@ class _ServeLoop:
             plan = self.plan_hook(plan)
         d = plan.to_dict()
         self.result.plan = d
-        if number == 1:
-            # a dry run prints the one command it would run, labelled, instead of the plan's
-            self.say(plan_text(d, command=not self.dry_run))
+        if number == 1 and not (self.dry_run and plan.fits):
+            self.say(plan_text(d))
         if not plan.fits:
             self.out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
             self.result.exit_code = 3
@@ -330,11 +329,11 @@ class _ServeLoop:
             how = ("--port" if self.user_port else "vLLM's default, free now"
                    if self.api_port == DEFAULT_PORT else
                    f"the first free one: {DEFAULT_PORT} is taken")
-            for line in fit([f"  vlaunch would run (port {self.api_port}, {how}):"], width()):
-                self.out(line)
-            for line in command_lines(redact_args(runner.argv), width(), indent="    ",
-                                      env=redact_env(env)):
-                self.out(line)
+            would = fit([f"  vlaunch would run (port {self.api_port}, {how}):"], width()) \
+                + command_lines(redact_args(runner.argv), width(), indent="    ",
+                                env=redact_env(env))
+            # what will run in the plan's command place, before the figures and reasons
+            self.out("\n".join(would) if self.quiet else plan_text(d, command=would))
             self.result.exit_code = 0
             return None
         runner = self._runner(number, args, env, d)

@@ -704,10 +704,10 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
                fmt: str, **kw) -> None:
     """Say why a vLLM start failed, which memory consumer to attack, and the exact fix.
 
-    SOURCE is a vLLM log, a folder of logs, or - for stdin (kubectl logs POD | vlaunch doctor
-    -). With --plan, or MODEL (and --gpus and plan options), each fix is re-planned by the
-    planner with what the log measured. Exit 0 when no failure is found, 1 when one is, 2 for
-    bad input.
+    SOURCE is a vLLM log, a folder of logs (each diagnosed, newest first), or - for stdin
+    (kubectl logs POD | vlaunch doctor -). With --plan, or MODEL (and --gpus and plan
+    options), each fix is planned with the failed launch's settings plus the fix. Exit 0 when
+    no failure is found, 1 when one is, 2 for bad input.
     """
     import json
 

@@ -471,7 +471,7 @@ def _serve_options(f):
     return f
 
 
-def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
+def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None, fixed=None) -> None:
     import dataclasses
     import json
     from pathlib import Path
@@ -495,7 +495,8 @@ def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
                    stop_timeout=_stop_timeout(opts),
-                   out=out, goals=goals, plan_hook=plan_hook, host=opts["host"])
+                   out=out, goals=goals, plan_hook=plan_hook, host=opts["host"],
+                   fixed=fixed)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     sys.exit(result.exit_code)
@@ -540,20 +541,27 @@ def serve_cmd(model: str, revision: str | None, gpus: str | None, extra: tuple[s
               help="plan.json (or its folder) written by `vlaunch plan --emit`.")
 @click.option("--role", type=click.Choice(["leader", "worker"]),
               help="Multi-node role (default: from LWS_WORKER_INDEX).")
+@click.option("--replan", is_flag=True,
+              help="Plan again from the plan's model and decisions (for the memory free now, "
+                   "and after a failed start) instead of running the plan as it is.")
 @_serve_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> None:
-    """Start vLLM on an emitted plan (the main container of the init-container pattern)."""
+def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, ...],
+             **kw) -> None:
+    """Start vLLM on an emitted plan (the main container of the init-container pattern).
+
+    It runs what the plan says and never plans again unless --replan is given. Exit: vLLM's
+    status, 3 when the plan does not fit or the GPUs' free memory no longer holds it, 2 for a
+    bad plan.json, 128+N when stopped by signal N."""
     import os
 
-    from .predict.plan_check import check_plan
+    from .deployment.codec import load
     from .run.emit import load_plan
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     d = load_plan(plan_path)
-    check_plan(d)
-    nodes = int(d["parallel"].get("nodes", 1))
-    if nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
+    dep = load(d)  # one line naming a missing or mistyped field, exit 2
+    if dep.engine.parallel.nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
         from pathlib import Path
 
         from .run.multinode import build_launch
@@ -576,43 +584,51 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
             click.echo(json.dumps({"exit_code": rc, "role": launch.role,
                                    "node_rank": launch.node_rank}, indent=2))
         sys.exit(rc)
-    from .predict.planner import inputs_from_plan
+    if replan:
+        from .predict.planner import inputs_from_plan
 
-    spec, hw, pins = inputs_from_plan(d)
-    _run_serve(spec, hw, pins, extra, opts, goals_from_plan(d), plan_hook=pins_from_plan(d))
+        spec, hw, pins = inputs_from_plan(d)
+        _run_serve(spec, hw, pins, extra, opts, goals_from_plan(dep),
+                   plan_hook=pins_from_plan(dep))
+        return
+    from .run.exec_check import live_misfit
+
+    if why := live_misfit(dep):
+        click.echo(f"vlaunch: {why}", err=True)
+        sys.exit(3)
+    _run_serve(None, None, _pins(), extra, opts, fixed=dep)
 
 
-def pins_from_plan(d: dict):
-    """A plan hook for `exec`: it re-plans with every decision of the emitted plan pinned, so
-    the planner would call values it chose itself at `vlaunch plan` time "pinned by you". Only
-    what the emitted plan already reported as the user's pins keeps that label."""
-    before = [r for r in d.get("reasons") or [] if isinstance(r, str)]
-    user = {r for r in before if "pinned by you" in r}
-    user_layout = any(r.startswith("layout ") and r.endswith(" (pinned)") for r in before)
+def pins_from_plan(dep):
+    """A plan hook for `exec --replan`: it re-plans with every decision of the emitted plan
+    pinned, so the planner would call values it chose itself at `vlaunch plan` time "pinned by
+    you". Only the reasons the emitted plan marked pinned (`data.pinned`) keep that label."""
+    import dataclasses
+
+    user = {r.code for r in dep.reasons if r.data.get("pinned")}
 
     def relabel(plan):
         for i, r in enumerate(plan.reasons):
-            if "pinned by you" in r and r not in user:
-                plan.reasons[i] = r.replace("pinned by you", "from the emitted plan")
-            elif r.startswith("layout ") and r.endswith(" (pinned)") and not user_layout:
-                plan.reasons[i] = r.removesuffix(" (pinned)") + " (from the emitted plan)"
+            if r.data.get("pinned") and r.code not in user:
+                text = (r.text.removesuffix(" (pinned)") + " (from the emitted plan)"
+                        if r.code == "layout" else
+                        r.text.replace("pinned by you", "from the emitted plan"))
+                plan.reasons[i] = dataclasses.replace(r, text=text,
+                                                      data={**r.data, "pinned": False})
         return plan
 
     return relabel
 
 
-def goals_from_plan(d: dict) -> dict | None:
+def goals_from_plan(dep) -> dict | None:
     """The workload, SLO and objective an emitted plan was made for, so exec re-plans for them."""
     from .inputs.workload import SLO, Workload
 
-    perf = d.get("performance")
-    if not perf:
+    if dep.workload is None or dep.slo is None or dep.performance is None:
         return None
-    return {"workload": Workload(int(perf["input_len"]), int(perf["output_len"]),
-                                 perf.get("workload", "custom"),
-                                 bool(perf.get("assumed_workload"))),
-            "objective": perf["objective"],
-            "slo": SLO(float(perf["slo"]["ttft_ms"]), float(perf["slo"]["tpot_ms"]))}
+    w = dep.workload
+    return {"workload": Workload(w.input_len, w.output_len, w.name or "custom", w.assumed),
+            "objective": dep.objective, "slo": SLO(dep.slo.ttft_ms, dep.slo.tpot_ms)}
 
 
 @cli.command("tune")

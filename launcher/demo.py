@@ -47,13 +47,13 @@ def _decide() -> None:
     spec, hw, w = load_model("deepseek-r1"), parse_gpus("8xH200"), resolve_workload(preset="chat")
     print("demo: $ vlaunch plan deepseek-r1 --gpus 8xH200 --workload chat --objective ...")
     for objective in ("throughput", "latency"):
-        d = make_plan(spec, hw, workload=w, objective=objective).to_dict()
-        perf = d["performance"]
-        k, one = perf["knee"], perf["single_request"]
-        label = next(r for r in d["reasons"] if r.startswith("layout ")).split(":")[0]
-        print(f"    {objective:10} -> {label[7:]}: {k['output_tokens_per_s']:,.0f} output tok/s "
-              f"at {k['concurrency']:,.0f} in flight within TPOT {perf['slo']['tpot_ms']:.0f} ms;"
-              f" one request alone {one['tpot_ms']:.1f} ms/token ({perf['source']})")
+        dep = make_plan(spec, hw, workload=w, objective=objective).deployment()
+        perf, slo = dep.performance, dep.slo
+        k, one = perf.knee, perf.single_request
+        label = next(r for r in dep.reasons if r.code == "layout").data["label"]
+        print(f"    {objective:10} -> {label}: {k.output_tokens_per_s:,.0f} output tok/s "
+              f"at {k.concurrency:,.0f} in flight within TPOT {slo.tpot_ms:.0f} ms;"
+              f" one request alone {one.tpot_ms:.1f} ms/token ({perf.source})")
     cap = capacity.plan_capacity(spec, capacity.Load(users=500), w, SLO(),
                                  ["8xH200", "8xB200", "2x8xH100"])
     rec = cap["recommended"]

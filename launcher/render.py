@@ -75,7 +75,7 @@ def plan_text(d: dict[str, Any]) -> str:
     lines += performance_lines(d)
     for title, key in (("why", "reasons"), ("warnings", "warnings"),
                        ("what would fit", "suggestions")):
-        items = [x for x in d.get(key) or () if str(x).strip()]
+        items = [x["text"] for x in d.get(key) or () if x["text"].strip()]
         if items:  # a heading only above something to read
             lines.append(f"  {title}:")
             lines += [f"    - {x}" for x in items]

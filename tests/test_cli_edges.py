@@ -125,7 +125,7 @@ def test_what_would_fit_heading_only_above_suggestions(tmp_path, suggestions, he
     r = CliRunner().invoke(cli, ["plan", "deepseek-v3", "--gpus", "1xH100", "--format", "json"])
     d = json.loads(r.output)
     assert not d["fits"]
-    d["suggestions"] = suggestions
+    d["suggestions"] = [{"code": "suggest", "text": s, "data": {}} for s in suggestions]
     text = plan_text(d)
     assert ("what would fit:" in text) is heading
     assert not re.search(r"^  [a-z ]+:\n(?!    )", text + "\n", re.M), text  # no empty heading
@@ -134,8 +134,16 @@ def test_what_would_fit_heading_only_above_suggestions(tmp_path, suggestions, he
 def test_exec_says_pinned_by_you_only_for_the_users_pins(tmp_path):
     folder = _emit(tmp_path, "--max-model-len", "8192")
     reasons = json.loads((folder / "plan.json").read_text())["reasons"]
-    assert [r for r in reasons if "pinned by you" in r] == ["max-model-len 8,192: pinned by you"]
+    assert [r["code"] for r in reasons if r["data"].get("pinned")] == [
+        "vllm.version", "max_model_len.pinned"]  # the user's pins, by code (_emit pins vLLM)
+    # exec runs the plan as it is: its reasons are the emitted plan's
     r = CliRunner().invoke(cli, ["exec", "--plan", str(folder), "--dry-run", "--no-metrics"])
+    assert r.exit_code == 0, r.output
+    pinned = [x.strip() for x in r.output.splitlines() if "pinned" in x]
+    assert pinned == ["- max-model-len 8,192: pinned by you"], pinned
+    # --replan re-plans with every decision pinned: only the user's keep the label
+    r = CliRunner().invoke(cli, ["exec", "--plan", str(folder), "--replan", "--dry-run",
+                                 "--no-metrics"])
     assert r.exit_code == 0, r.output
     pinned = [x.strip() for x in r.output.splitlines() if "pinned" in x]
     assert pinned == ["- max-model-len 8,192: pinned by you"], pinned

@@ -106,7 +106,8 @@ def test_plan_takes_deepep_buffers_from_kv_and_shows_why(with_deepep):
     assert d["per_gpu"]["non_torch_bytes"] - base["per_gpu"]["non_torch_bytes"] == (
         e["buffer_bytes_per_gpu"])
     assert d["kv_cache"]["tokens"] < base["kv_cache"]["tokens"]
-    reason = next(r for r in d["reasons"] if r.startswith("all2all-backend deepep_low_latency"))
+    reason = next(r["text"] for r in d["reasons"]
+                  if r["text"].startswith("all2all-backend deepep_low_latency"))
     assert "GiB of NVSHMEM buffers" in reason and "KV " in reason
     assert e["buffer_bytes_per_gpu"] / GiB > 1
     # exec reproduces it

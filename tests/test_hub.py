@@ -466,7 +466,7 @@ def test_unknown_model_type_is_planned_generic_with_true_weights(stand_in: Stand
     assert code == 0, err
     assert d["model"]["estimate"] == "generic"
     assert d["model"]["weights_bytes"] == 2 * 3_000_000
-    assert any("generic decoder estimate" in w for w in d["warnings"])
+    assert any("generic decoder estimate" in w["text"] for w in d["warnings"])
 
 
 def test_unknown_model_type_without_layers_is_refused(stand_in: StandInHub) -> None:

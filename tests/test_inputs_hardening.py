@@ -235,7 +235,7 @@ def test_measured_row_of_the_wrong_type_is_not_used(_cache, capsys, row):
     (_cache / "measured.json").write_text(json.dumps({measured.plan_key(d): row}))
     again = make_plan(spec, hw, pins).to_dict()
     assert again["kv_cache"]["memory_bytes"] == d["kv_cache"]["memory_bytes"]
-    assert not any("measured by vLLM" in r for r in again["reasons"])
+    assert not any("measured by vLLM" in r["text"] for r in again["reasons"])
     assert "measured.json" in capsys.readouterr().err
 
 
@@ -262,17 +262,20 @@ def test_exec_plan_without_parallel_is_one_line(tmp_path):
               "0.32.0")
     assert r.exit_code == 0, r.output
     good = json.loads((emitted / "plan.json").read_text())
+    engine = ("pools", 0, "engine")
     for section, field, value, needle in (
-            ("parallel", None, None, "no `parallel` object"),
-            ("parallel", "tp", "2", "`parallel.tp` is '2'"),
-            ("parallel", "nodes", 0, "`parallel.nodes` is 0"),
-            ("gpus", "count", None, None),  # not needed by exec: no complaint about it
-            (None, "max_model_len", None, "no `max_model_len`"),
-            ("kv_cache", "dtype", 8, "`kv_cache.dtype` is 8")):
+            ((*engine, "parallel"), None, None, "no `pools[0].engine.parallel`"),
+            ((*engine, "parallel"), "tp", "2", "`pools[0].engine.parallel.tp` is '2'"),
+            ((*engine, "parallel"), "nodes", 0, "`pools[0].engine.parallel.nodes` is 0"),
+            (("gpus",), "count", None, None),  # not needed by exec: no complaint about it
+            (engine, "max_model_len", None, "no `pools[0].engine.max_model_len`"),
+            (("pools", 0, "kv_cache"), "dtype", 8, "`pools[0].kv_cache.dtype` is 8")):
         d = json.loads(json.dumps(good))
-        part = d if section is None else d[section]
+        part = d
+        for key in section[:-1] if field is None else section:
+            part = part[key]
         if field is None:
-            del d[section]
+            del part[section[-1]]
         elif value is None:
             del part[field]
         else:

@@ -56,11 +56,11 @@ def test_measured_bytes_replace_the_estimate_next_time(cache):
     page = c.block_size * c.kv_bytes_per_token  # 64 tokens x 35,136 B (fp8 MLA, 61 layers)
     assert c.kv_memory == (20 << 30) // page * page
     assert c.tokens == c.blocks * c.block_size
-    assert any("measured by vLLM" in r for r in second.reasons)
+    assert any("measured by vLLM" in r.text for r in second.reasons)
     # a different decision (another context) is another key: the estimate is used again
     other = make_plan(load_model("deepseek-v3"), parse_gpus("8xH200"),
                       Pins(vllm_version="0.32.0", tp=8, max_model_len=65536))
-    assert not any("measured by vLLM" in r for r in other.reasons)
+    assert not any("measured by vLLM" in r.text for r in other.reasons)
 
 
 def test_nothing_recorded_without_startup_plan():

@@ -200,7 +200,7 @@ def test_unknown_speed_facts_claim_no_performance():
     p = make_plan(spec, parse_gpus("1x80GiB"), V)
     assert p.fits and p.performance is None
     assert p.to_dict()["performance"] is None
-    assert any("no performance prediction" in r for r in p.reasons)
+    assert any("no performance prediction" in r.text for r in p.reasons)
 
 
 def test_every_catalog_constant_is_positive_and_sourced():

@@ -96,4 +96,4 @@ def test_old_version_plan_has_no_parser_it_lacks():
                   Pins(vllm_version="0.11.0"), suggest=False).to_dict()
     assert "--tool-call-parser" not in d["vllm_args"]
     assert "--tokenizer-mode" not in d["vllm_args"]
-    assert any("no --tool-call-parser" in w for w in d["warnings"])
+    assert any("no --tool-call-parser" in w["text"] for w in d["warnings"])

@@ -160,7 +160,7 @@ def test_latency_objective_turns_mtp_on_with_reason_and_numbers():
     d = plan.to_dict()
     s = d["serving"]["speculative"]
     assert s["enabled"] and s["num_speculative_tokens"] >= 1
-    reason = next(r for r in d["reasons"] if r.startswith("MTP on"))
+    reason = next(r["text"] for r in d["reasons"] if r["text"].startswith("MTP on"))
     assert re.search(r"at equal load \([\d,]+ in flight, same flags without the draft\): "
                      r"TPOT [\d.]+ vs [\d.]+ ms", reason)
     assert re.search(r"at the SLO knee: TPOT [\d.]+ ms vs TPOT [\d.]+ ms for the best plan "
@@ -229,7 +229,7 @@ def test_version_gate_and_method_name(version, expect):
     if expect is None:
         assert not s["enabled"] and "since 0.9.0" in s["reason"]
         assert "--speculative-config" not in d["vllm_args"]
-        assert any("MTP was asked for" in w for w in d["warnings"])
+        assert any("MTP was asked for" in w["text"] for w in d["warnings"])
     else:
         i = d["vllm_args"].index("--speculative-config")
         assert json.loads(d["vllm_args"][i + 1]) == {"method": expect,

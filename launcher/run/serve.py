@@ -33,6 +33,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..deployment.codec import dump
+from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
@@ -52,7 +54,14 @@ from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadli
 from .exposure import exposure_warning, with_host
 from .logpump import prefixed_echo
 from .runner import VllmRunner
-from .vllmargs import VLLM_COMMAND_ENV, arg_value, free_port, serve_both_names, vllm_command
+from .vllmargs import (
+    VLLM_COMMAND_ENV,
+    arg_value,
+    drop_flag,
+    free_port,
+    serve_both_names,
+    vllm_command,
+)
 
 
 @dataclass
@@ -89,7 +98,7 @@ def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra:
     fix = replan_pins(pins, plan, failure)
     if fix is not None:
         new_pins, why = fix
-        new_extra = _drop_flag(extra, "--max-model-len") if new_pins.max_model_len else extra
+        new_extra = drop_flag(extra, "--max-model-len") if new_pins.max_model_len else extra
         if (new_pins, new_extra) != (pins, extra):
             return new_pins, new_extra, why, False
     if failure.transient and not transient_retried:
@@ -165,7 +174,7 @@ def pins_from_extra(pins: Pins, extra: list[str]) -> tuple[Pins, list[str], list
         for _, names in PARALLEL_FLAGS:
             if name in names:
                 for n in names:
-                    extra = _drop_flag(extra, n)
+                    extra = drop_flag(extra, n)
         notes.append(f"{name} {value} after -- is a pin (--{key} {value}); planned with it")
     return pins, extra, notes
 
@@ -247,7 +256,7 @@ Verdict = str | None
 _GIVE_UP (no further attempt helps), or None (the run is over; `result` says how)."""
 
 
-def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
+def serve(spec: ModelSpec | None, hw: Hardware | None, pins: Pins, extra: list[str], *,
           max_attempts: int = 3, quiet: bool = False, verbose: bool = False,
           dry_run: bool = False, metrics_port: int | None = 9400,
           metrics_bind: str = "127.0.0.1", log_dir: Path | None = None,
@@ -256,14 +265,15 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
           out: Callable[[str], None] = print,
           plan_hook: Callable[[Plan], Plan] | None = None,
-          host: str | None = None) -> ServeResult:
+          host: str | None = None, fixed: Deployment | None = None) -> ServeResult:
     """Run the whole loop; returns when vLLM exits (or start-up finally failed, or a signal
-    stopped it: exit code 128 + the signal, no restart, nothing learnt)."""
+    stopped it: exit code 128 + the signal, no restart, nothing learnt). With `fixed` (exec of
+    an emitted plan) every attempt runs that Deployment and a failed start is not re-planned."""
     loop = _ServeLoop(spec, hw, pins, list(extra), max_attempts=max_attempts, quiet=quiet,
                       verbose=verbose, dry_run=dry_run, metrics_port=metrics_port,
                       metrics_bind=metrics_bind, log_dir=log_dir, goals=goals or {},
                       startup_timeout=startup_timeout, port=port, stop_timeout=stop_timeout,
-                      out=out, plan_hook=plan_hook, host=host)
+                      out=out, plan_hook=plan_hook, host=host, fixed=fixed)
     return loop.run()
 
 
@@ -272,8 +282,8 @@ class _ServeLoop:
     """One `serve` run: the attempts, and what carries from one to the next (the pins and flags
     the next plan uses, the exporter, whether a transient failure was already retried)."""
 
-    spec: ModelSpec
-    hw: Hardware
+    spec: ModelSpec | None  # None with `fixed`: nothing is planned
+    hw: Hardware | None
     pins: Pins
     extra: list[str]
     max_attempts: int
@@ -290,6 +300,7 @@ class _ServeLoop:
     out: Callable[[str], None]
     plan_hook: Callable[[Plan], Plan] | None
     host: str | None = None  # vLLM's --host; None: loopback (exposure.with_host)
+    fixed: Deployment | None = None  # exec: the emitted plan, run as it is, never re-planned
     result: ServeResult = field(default_factory=lambda: ServeResult(exit_code=1))
     exporter: Any = None
     transient_retried: bool = False
@@ -339,16 +350,21 @@ class _ServeLoop:
     # --- one attempt -------------------------------------------------------------------------
 
     def _attempt(self, number: int) -> Verdict:
-        plan = make_plan(self.spec, self.hw, self.pins, **self.goals)
-        if self.plan_hook:
-            plan = self.plan_hook(plan)
-        d = plan.to_dict()
+        plan: Plan | None = None
+        if self.fixed is not None:
+            dep = self.fixed
+        else:
+            plan = make_plan(self.spec, self.hw, self.pins, **self.goals)
+            if self.plan_hook:
+                plan = self.plan_hook(plan)
+            dep = plan.deployment()
+        d = dump(dep)
         self.result.plan = d
         if number == 1:
             # a dry run prints the one command it would run, labelled, instead of the plan's
             text = plan_text(d)
-            self.say(text.split("\n  command:")[0] if self.dry_run and plan.fits else text)
-        if not plan.fits:
+            self.say(text.split("\n  command:")[0] if self.dry_run and dep.fits else text)
+        if not dep.fits:
             self.out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
             self.result.exit_code = 3
             return None
@@ -411,7 +427,7 @@ class _ServeLoop:
             self.exporter.record_restart()
         return runner
 
-    def _supervise(self, number: int, runner: VllmRunner, plan: Plan, d: dict[str, Any],
+    def _supervise(self, number: int, runner: VllmRunner, plan: Plan | None, d: dict[str, Any],
                    args: list[str]) -> Verdict:
         """Start, wait until ready, check what vLLM allocated, one smoke request, serve."""
         try:
@@ -463,7 +479,7 @@ class _ServeLoop:
         self.result.exit_code = _ended_by_signal(runner, self.out)
         return None
 
-    def _start_failed(self, number: int, runner: VllmRunner, outcome: Any, plan: Plan,
+    def _start_failed(self, number: int, runner: VllmRunner, outcome: Any, plan: Plan | None,
                       args: list[str]) -> Verdict:
         """Say why, and re-plan from what the failed start measured (or give up)."""
         failure = outcome.failure
@@ -471,6 +487,10 @@ class _ServeLoop:
         self.result.attempts.append(Attempt(number, args, "failed", detail))
         self.out(f"vlaunch: attempt {number} failed: {detail}")
         explain_failure(runner, outcome, self.out)
+        if plan is None:
+            self.out("vlaunch: not re-planning an emitted plan; pass --replan to let exec plan "
+                     "again from this failure")
+            return _GIVE_UP
         step = next_attempt(self.pins, plan, failure, self.extra, self.transient_retried)
         if step is None or number == self.max_attempts:
             return _GIVE_UP
@@ -480,7 +500,7 @@ class _ServeLoop:
         return _NEXT
 
     def _smoke_failed(self, number: int, runner: VllmRunner, smoke: Any, mark: int,
-                      plan: Plan, d: dict[str, Any], args: list[str]) -> Verdict:
+                      plan: Plan | None, d: dict[str, Any], args: list[str]) -> Verdict:
         """A first request that fails on fp8 KV is a lesson and a restart with auto KV; any
         other failure is explained and ends the run."""
         kv = d["kv_cache"]["dtype"]
@@ -489,7 +509,7 @@ class _ServeLoop:
         runner.settle()
         logged = runner.text_since(mark)
         said = smoke_says_fp8(smoke.error, logged)
-        if kv.startswith("fp8") and said and number < self.max_attempts:
+        if kv.startswith("fp8") and said and number < self.max_attempts and plan is not None:
             key = lesson_key(self.hw, self.spec.attention, plan.vllm_version)
             path = record_lesson(key, False, f"fp8 KV allocated, then the first request failed "
                                  f"({(smoke.error or '')[:160]})")
@@ -499,7 +519,7 @@ class _ServeLoop:
             given = self.original or self.pins
             self.pins = dataclasses.replace(self.pins, kv_cache_dtype="auto",
                                             max_model_len=given.max_model_len)
-            self.extra = _drop_flag(self.extra, "--kv-cache-dtype")
+            self.extra = drop_flag(self.extra, "--kv-cache-dtype")
             return _NEXT
         explain_failure(runner, SimpleNamespace(log_tail=logged.splitlines()[-40:]), self.out)
         return _GIVE_UP
@@ -651,22 +671,6 @@ def learn_measured_kv(d: dict[str, Any], alloc: vllmlog.Allocation) -> str | Non
         return None
     path = measured.record(d, kv, f"vLLM {d['vllm_version']} startup plan")
     return f"{kv / GiB:.2f} GiB in {path}"
-
-
-def _drop_flag(args: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip and not a.startswith("--"):
-            skip = False
-            continue
-        skip = False
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out
 
 
 def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,

@@ -105,3 +105,20 @@ def port_answers(host: str, port: int, timeout: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def drop_flag(args: list[str], name: str) -> list[str]:
+    """`args` without flag `name` and its value (either spelling: `--x v` or `--x=v`)."""
+    out, skip = [], False
+    for a in args:
+        if skip and not a.startswith("--"):
+            skip = False
+            continue
+        skip = False
+        if a == name:
+            skip = True
+            continue
+        if a.startswith(name + "="):
+            continue
+        out.append(a)
+    return out

@@ -234,11 +234,15 @@ def build_plan(model: str, gpus: str | None, revision: str | None = None, **pins
     return make_plan(spec, _hardware(gpus), _pins(**pins), **goals)
 
 
-def format_plan(d: dict, fmt: str) -> str:
+def format_plan(dep, fmt: str) -> str:
+    """Deployment `dep` in `fmt`: the codec's JSON (or YAML), vLLM's flags, or the text."""
     import json
 
+    from .deployment.argv import engine_argv
+    from .deployment.codec import dump
     from .render import plan_text
 
+    d = dump(dep) if fmt in ("json", "yaml") else None
     if fmt == "json":
         return json.dumps(d, indent=2)
     if fmt == "yaml":
@@ -246,8 +250,8 @@ def format_plan(d: dict, fmt: str) -> str:
 
         return yaml.safe_dump(d, sort_keys=False)
     if fmt == "args":
-        return "\n".join(d["vllm_args"])
-    return plan_text(d)
+        return "\n".join(engine_argv(dep.engine) if dep.fits else [])
+    return plan_text(dep)
 
 
 _FORMAT_NAMES = {"text": "text", "txt": "text", "json": "json", "yaml": "yaml", "yml": "yaml",
@@ -295,30 +299,29 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
     """
     if output:
         _check_folder(output, "-o")
-    plan = build_plan(model, gpus, revision, **pins)
-    d = plan.to_dict()
+    dep = build_plan(model, gpus, revision, **pins).deployment()
     if plot_path:
-        if d["fits"]:
+        if dep.fits:
             from .plot import plan_plot
 
-            plan_plot(d, plot_path)
+            plan_plot(dep, plot_path)
         else:
             click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
                        "fit (no performance to plot)", err=True)
     if emit_dir:  # before printing: a folder that cannot be written is one line, not a plan
         from .run.emit import emit_plan, write_termination_message
 
-        if not d["fits"]:
-            write_termination_message(format_plan(d, "text"), termination_log)
+        if not dep.fits:
+            write_termination_message(format_plan(dep, "text"), termination_log)
         else:
-            emit_plan(d, emit_dir)
-    text = format_plan(d, fmt)
+            emit_plan(dep, emit_dir)
+    text = format_plan(dep, fmt)
     if output:
         _warn_format_named(output)
         _write_atomic(output, text)
     else:
         click.echo(_fit(text) if fmt == "text" else text)
-    if not d["fits"]:
+    if not dep.fits:
         sys.exit(3)
 
 
@@ -555,12 +558,12 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
     bad plan.json, 128+N when stopped by signal N."""
     import os
 
-    from .deployment.codec import load
+    from .deployment.codec import dump
     from .run.emit import load_plan
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
-    d = load_plan(plan_path)
-    dep = load(d)  # one line naming a missing or mistyped field, exit 2
+    dep = load_plan(plan_path)  # one line naming a missing or mistyped field, exit 2
+    d = dump(dep)
     if dep.engine.parallel.nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
         from pathlib import Path
 
@@ -571,7 +574,7 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
         log_dir = Path(opts["log_dir"])
         log_dir.mkdir(parents=True, exist_ok=True)
         as_json = opts["fmt"] == "json"
-        rc = run_node(launch, d, port=opts["port"],
+        rc = run_node(launch, dep, port=opts["port"],
                       metrics_port=None if opts["no_metrics"] else opts["metrics_port"],
                       metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                       dry_run=opts["dry_run"], verbose=opts["verbose"],
@@ -585,9 +588,9 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
                                    "node_rank": launch.node_rank}, indent=2))
         sys.exit(rc)
     if replan:
-        from .predict.planner import inputs_from_plan
+        from .predict.plan_inputs import inputs_from_plan
 
-        spec, hw, pins = inputs_from_plan(d)
+        spec, hw, pins = inputs_from_plan(dep)
         _run_serve(spec, hw, pins, extra, opts, goals_from_plan(dep),
                    plan_hook=pins_from_plan(dep))
         return

@@ -40,7 +40,7 @@ def test_log_names_the_startup_plan_files():
 
 def test_measured_bytes_replace_the_estimate_next_time(cache):
     first = _plan()
-    d = first.to_dict()
+    d = first.deployment()
     # two ranks wrote their measurements; every rank is set to the smallest (20 GiB here)
     files = []
     for i, gib in enumerate((21, 20)):
@@ -64,5 +64,6 @@ def test_measured_bytes_replace_the_estimate_next_time(cache):
 
 
 def test_nothing_recorded_without_startup_plan():
-    assert learn_measured_kv(_plan().to_dict(), vllmlog.parse_allocation("no such lines")) is None
+    assert learn_measured_kv(_plan().deployment(),
+                             vllmlog.parse_allocation("no such lines")) is None
     assert measured.read_startup_plans(["/nonexistent.json"]) is None

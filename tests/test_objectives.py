@@ -132,13 +132,14 @@ def test_bad_workload_input_is_one_line(args, needle):
 
 def test_exec_replans_for_the_workload_the_plan_was_made_for(tmp_path):
     from launcher.cli import goals_from_plan
+    from launcher.deployment.codec import load
 
     r = CliRunner().invoke(cli, ["plan", "deepseek-r1", "--gpus", "8xH200", "--workload", "rag",
                                  "--slo", "tpot=40ms", "--objective", "latency", "--emit",
                                  str(tmp_path)])
     assert r.exit_code == 0, r.output
     d = json.loads((tmp_path / "plan.json").read_text())
-    goals = goals_from_plan(d)
+    goals = goals_from_plan(load(d))
     assert goals["workload"].input_len == 8192 and goals["objective"] == "latency"
     assert goals["slo"].tpot_ms == 40.0
     again = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"),

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import cli
+from launcher.deployment.codec import load
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload, resolve_workload
@@ -118,7 +119,7 @@ def test_every_figure_the_text_prints_is_the_json_s(args, monkeypatch):
     monkeypatch.setenv("COLUMNS", "10000")  # no wrapping: one reason per line
     text = CliRunner().invoke(cli, ["plan", *args]).output
     d = json.loads(CliRunner().invoke(cli, ["plan", *args, "--format", "json"]).output)
-    assert plan_text(d).split("\n")[0] == text.split("\n")[0]
+    assert plan_text(load(d)).split("\n")[0] == text.split("\n")[0]
     perf = d["performance"]
     k = perf["knee"] or {}
     if k:

@@ -22,13 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from launcher.deployment.codec import load
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, resolve_workload
 from launcher.predict import budget as B
 from launcher.predict import speculative as S
-from launcher.predict.planner import Pins, inputs_from_plan, make_plan
+from launcher.predict.plan_inputs import inputs_from_plan
+from launcher.predict.planner import Pins, make_plan
 
 H, N, QLR, KLR, NOPE, ROPE, V = 7168, 128, 1536, 512, 128, 64, 128
 E, MOE_I, VOCAB = 256, 2048, 129280
@@ -171,7 +173,7 @@ def test_latency_objective_turns_mtp_on_with_reason_and_numbers():
     off = _plan("deepseek-r1", "8xH200", objective="latency", speculative=False).to_dict()
     assert (d["performance"]["single_request"]["tpot_ms"]
             < off["performance"]["single_request"]["tpot_ms"])
-    text = __import__("launcher.render", fromlist=["plan_text"]).plan_text(d)
+    text = __import__("launcher.render", fromlist=["plan_text"]).plan_text(load(d))
     assert "MTP on" in text and "--speculative-config" in text
 
 
@@ -245,7 +247,7 @@ def test_models_without_an_mtp_layer_never_get_one():
 
 def test_exec_replans_the_same_mtp_decision():
     d = _plan("deepseek-r1", "8xH200", objective="latency").to_dict()
-    spec, hw, pins = inputs_from_plan(d)
+    spec, hw, pins = inputs_from_plan(load(d))
     assert pins.speculative is True
     assert pins.num_speculative_tokens == d["serving"]["speculative"]["num_speculative_tokens"]
     again = make_plan(spec, hw, pins, suggest=False).to_dict()

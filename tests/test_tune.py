@@ -355,7 +355,8 @@ def test_tune_end_to_end_on_a_fake_engine(tmp_path: Path, fake_engine, tiny_spec
     stored = json.loads((tmp_path / "cache" / "calibration.json").read_text())
     assert sum(len(e["points"]) for e in stored.values()) >= len(ok[0]["results"])
     plan = load_plan(tmp_path / "out" / "plan.json")
-    assert plan["tuned"]["concurrency"] == rec["concurrency"]
+    assert plan.tuned["concurrency"] == rec["concurrency"]  # the typed plan carries it
+    assert plan.performance.measured["concurrency"] == rec["concurrency"]
     assert "recommended:" in "\n".join(lines)
 
 

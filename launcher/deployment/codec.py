@@ -35,6 +35,7 @@ JSON_KEY: dict[type, dict[str, str]] = {
 # fields written only when set (the model's provenance, as the plan has always written it)
 OMIT_IF_NONE: dict[type, tuple[str, ...]] = {
     P.ModelRef: ("revision", "commit", "params_by_dtype", "checkpoint_params"),
+    P.Performance: ("measured",),
 }
 
 
@@ -118,6 +119,7 @@ def dump(d: P.Deployment) -> dict[str, Any]:
         "slo": to_json(d.slo),
         "deployment": d.kind,
         "pools": pools,
+        **({"tuned": to_json(d.tuned)} if d.tuned is not None else {}),
     }
 
 

@@ -128,6 +128,7 @@ class Performance:
     curve: tuple[Point, ...]
     notes: tuple[str, ...] = ()
     asked_concurrency: int | None = None
+    measured: Mapping[str, Any] | None = None  # what `vlaunch tune` measured at this point
 
 
 @dataclass(frozen=True)
@@ -340,6 +341,7 @@ class Deployment:
     warnings: tuple[Reason, ...] = ()
     suggestions: tuple[Reason, ...] = ()
     runners_up: tuple[Alternative, ...] = ()
+    tuned: Mapping[str, Any] | None = None  # `vlaunch tune`'s pick: its trial and measurement
 
     @property
     def pool(self) -> Pool:

@@ -115,6 +115,7 @@ def generate() -> dict[str, Any]:
         "objective": t(P.Objective), "workload": t(P.Workload | None),
         "slo": t(P.SLO | None), "deployment": t(P.Kind),
         "pools": {"type": "array", "items": {"$ref": "#/$defs/pool_block"}, "minItems": 1},
+        "tuned": t(Mapping[str, Any]),
     }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -126,7 +127,7 @@ def generate() -> dict[str, Any]:
                        "are the aggregated pool's, kept for scripts; `pools` holds each pool "
                        "whole. max_concurrency is vLLM's 'Maximum concurrency' (full-length "
                        "requests the KV cache holds), never a load.",
-        "type": "object", "properties": props, "required": list(props),
+        "type": "object", "properties": props, "required": [k for k in props if k != "tuned"],
         "additionalProperties": False, "$defs": dict(sorted(defs.items())),
     }
 

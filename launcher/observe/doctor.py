@@ -27,12 +27,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
 from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_text, to_failure
 from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
-from ..predict.planner import Pins, inputs_from_plan, make_plan
+from ..predict.plan_inputs import inputs_from_plan
+from ..predict.planner import Pins, make_plan
 from ..predict.replan import merge_args, replan_pins
 from ..redact import SECRET_FLAGS
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
@@ -481,11 +483,11 @@ class PlanContext:
     source: str = "model"  # "model" (MODEL --gpus), "plan" (--plan) or "log" (what it says)
 
 
-def context_from_plan(d: dict[str, Any]) -> PlanContext:
-    """Model, hardware and pins of an emitted plan.json (as `vlaunch exec` rebuilds them)."""
+def context_from_plan(d: Deployment) -> PlanContext:
+    """Model, hardware and pins of an emitted plan (as `vlaunch exec --replan` rebuilds them)."""
     spec, hw, pins = inputs_from_plan(d)
-    g = d["gpus"]
-    gpus = "cpu" if g["platform"] == "cpu" else f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}"
+    g = d.hardware
+    gpus = "cpu" if g.platform == "cpu" else f"{g.nodes}x{g.gpus_per_node}x{g.name}"
     return PlanContext(spec, hw, pins, make_plan(spec, hw, pins), gpus, source="plan")
 
 

@@ -220,11 +220,3 @@ def choose(spec: Any, hw: Any, layout: Any, objective: str, workload: Any, versi
     c.reason = (f"all2all-backend {want} ({flag if want != c.default else 'vLLM default'}): "
                 f"{why_want}; {row['reason']}" + ("; " + "; ".join(extra) if extra else ""))
     return c
-
-
-def from_plan(d: dict[str, Any]) -> dict[str, Any]:
-    """The pin that reproduces an emitted plan's backend (`vlaunch exec`)."""
-    s = (d.get("serving") or {}).get("ep_backend") or {}
-    if s.get("applies") and s.get("backend") and s.get("backend") != s.get("vllm_default"):
-        return {"all2all_backend": s["backend"]}
-    return {}

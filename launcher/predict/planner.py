@@ -517,7 +517,7 @@ def _apply_measured(plan: Plan) -> None:
     """Use the KV memory vLLM measured on an earlier boot of exactly these decisions."""
     from . import measured
 
-    row = measured.lookup(measured.plan_key(plan.to_dict()))
+    row = measured.lookup(measured.plan_key(plan.deployment()))
     if row is None:
         return
     c = plan.chosen
@@ -592,47 +592,6 @@ def _explain(plan: Plan, pins: Pins) -> None:
             "kv_cache.mla_per_rank",
             "MLA keeps one latent per token on every TP rank: the KV cache is not split "
             "by TP"))
-
-
-def inputs_from_plan(d: dict[str, Any]) -> tuple[ModelSpec, Hardware, Pins]:
-    """What an emitted plan was made from: its model, the hardware as the plan saw it (free
-    memory included) and every decision pinned, so `exec`, the doctor and calibration re-plan
-    exactly that plan."""
-    from dataclasses import replace
-
-    from ..inputs.hardware import parse_gpus
-    from ..inputs.model import load_model
-    from .plan_check import check_plan
-
-    check_plan(d)  # one line naming a missing or mistyped field, not a KeyError
-    m = d["model"]
-    # the commit the plan was made from: exec re-plans that config, offline from the cache
-    spec = load_model(m.get("path") or m["hf_id"],
-                      None if m.get("path") else (m.get("commit") or m.get("revision")))
-    if m.get("commit") and not m.get("path"):  # vLLM still gets the revision the user gave
-        spec = replace(spec, revision=m.get("revision"))
-    g = d["gpus"]
-    hw = parse_gpus("cpu" if g["platform"] == "cpu" else
-                    f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}")
-    if g["platform"] != "cpu":
-        hw = replace(hw, total_bytes=g["total_bytes"], free_bytes=g["free_bytes"],
-                     source=g.get("source", "plan"))
-    p, kv = d["parallel"], d["kv_cache"]
-    pins = Pins(tp=p["tp"], pp=p["pp"], dp=p["dp"], expert_parallel=p["expert_parallel"],
-                max_model_len=d["max_model_len"], kv_cache_dtype=kv["dtype"],
-                gpu_memory_utilization=None if kv.get("pinned") else d["gpu_memory_utilization"],
-                kv_cache_memory_bytes=kv["memory_bytes"] if kv.get("pinned") else None,
-                max_num_seqs=d["max_num_seqs"], max_num_batched_tokens=d["max_num_batched_tokens"],
-                enforce_eager=bool(d.get("enforce_eager")), vllm_version=d.get("vllm_version"),
-                **serving_pins(d))
-    return spec, hw, pins
-
-
-def serving_pins(d: dict[str, Any]) -> dict[str, Any]:
-    """The serving decisions (MTP, parsers, all-to-all backend) of an emitted plan as pins."""
-    from .serving import pins_from_plan
-
-    return pins_from_plan(d)
 
 
 # ----------------------------------------------------------------------------- suggestions

@@ -196,11 +196,3 @@ def _no_draft_twin(goal: Any, j: Any) -> Any:
     """The chosen candidate's exact flags without the draft, judged (for equal-load figures)."""
     twin = search.memory(goal, dataclasses.replace(j.knobs, draft=0))
     return search.speed(goal, twin, full=False) if twin.fits else None
-
-
-def pins_from_plan(d: dict[str, Any]) -> dict[str, Any]:
-    """Every serving decision of an emitted plan as pins (`vlaunch exec`, tune's trials)."""
-    out: dict[str, Any] = {}
-    for mod in (speculative, serving_flags, ep_backend):
-        out.update(mod.from_plan(d))
-    return out

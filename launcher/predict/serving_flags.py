@@ -176,13 +176,3 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
         else:
             out.warnings.append(f"no --tokenizer-mode {mode}: {lack}")
     return out
-
-
-def from_plan(d: dict[str, Any]) -> dict[str, str | None]:
-    """The pins that reproduce an emitted plan's parser decisions (`vlaunch exec`)."""
-    s = (d.get("serving") or {}).get("parsers") or {}
-    if not s:
-        return {}
-    return {"reasoning_parser": s.get("reasoning_parser") or NONE,
-            "tool_call_parser": s.get("tool_call_parser") or NONE,
-            "chat_template": s.get("chat_template")}

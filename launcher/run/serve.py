@@ -33,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..deployment.argv import engine_argv
 from ..deployment.codec import dump
 from ..deployment.plan import Deployment
 from ..errors import InputError
@@ -50,7 +51,7 @@ from ..term import command as command_lines
 from ..term import fit, width
 from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
-from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadline_s
+from .emit import startup_deadline_s
 from .exposure import exposure_warning, with_host
 from .logpump import prefixed_echo
 from .runner import VllmRunner
@@ -107,19 +108,20 @@ def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra:
     return None
 
 
-def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], dict[str, Any]]:
+def verification_table(plan: Deployment, actual: Any) -> tuple[list[str], dict[str, Any]]:
     """Predicted vs actual per component, with the error; and the numbers as a dict."""
-    kv, per_gpu = plan["kv_cache"], plan["per_gpu"]
+    pool = plan.pool
+    kv = pool.kv_cache
     alloc = actual.allocation
-    rows = [("KV cache tokens", kv["tokens"], actual.kv_cache_tokens, "{:,.0f}"),
-            ("KV blocks", kv.get("blocks"), actual.num_blocks, "{:,.0f}"),
-            ("block size", kv["block_size"], actual.block_size, "{:,.0f}"),
-            ("KV cache memory GiB", kv["memory_bytes"] / GiB,
+    rows = [("KV cache tokens", kv.tokens, actual.kv_cache_tokens, "{:,.0f}"),
+            ("KV blocks", kv.blocks, actual.num_blocks, "{:,.0f}"),
+            ("block size", kv.block_size, actual.block_size, "{:,.0f}"),
+            ("KV cache memory GiB", kv.memory_bytes / GiB,
              (actual.kv_cache_memory_bytes / GiB) if actual.kv_cache_memory_bytes
              else alloc.available_kv_gib, "{:,.2f}"),
-            ("weights GiB (per GPU)", per_gpu["weights_bytes"] / GiB, alloc.weights_gib,
+            ("weights GiB (per GPU)", pool.per_gpu.weights_bytes / GiB, alloc.weights_gib,
              "{:,.2f}"),
-            ("max concurrency", plan["max_concurrency"], actual.max_concurrency, "{:,.2f}")]
+            ("max concurrency", pool.max_concurrency, actual.max_concurrency, "{:,.2f}")]
     lines = [f"  {'':24} {'planned':>14} {'actual':>14} {'error':>8}"]
     numbers: dict[str, Any] = {}
     for name, want, got, fmt in rows:
@@ -362,15 +364,15 @@ class _ServeLoop:
         self.result.plan = d
         if number == 1:
             # a dry run prints the one command it would run, labelled, instead of the plan's
-            text = plan_text(d)
+            text = plan_text(dep)
             self.say(text.split("\n  command:")[0] if self.dry_run and dep.fits else text)
         if not dep.fits:
             self.out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
             self.result.exit_code = 3
             return None
-        args = self._args(d)
-        env = dict(d["env"])
-        if d["kv_cache"].get("pinned"):
+        args = self._args(dep)
+        env = dict(dep.pool.env)
+        if dep.pool.kv_cache.pinned:
             # A legacy VLLM_CPU_KVCACHE_SPACE in our environment would replace the pinned bytes.
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.dry_run:
@@ -385,27 +387,27 @@ class _ServeLoop:
                 self.out(line)
             self.result.exit_code = 0
             return None
-        runner = self._runner(number, args, env, d)
+        runner = self._runner(number, args, env, dep)
         self.say(f"vlaunch: attempt {number}/{self.max_attempts}: starting vLLM "
                  f"(log: {runner.log_path})")
         with runner, runner.forward_signals():
-            return self._supervise(number, runner, plan, d, args)
+            return self._supervise(number, runner, plan, dep, args)
 
-    def _args(self, d: dict[str, Any]) -> list[str]:
+    def _args(self, dep: Deployment) -> list[str]:
         """The plan's vLLM arguments with the user's on top, our port, and a drain on stop."""
-        args, notes = merge_args(serve_both_names(d["vllm_args"]), self.extra)
+        args, notes = merge_args(serve_both_names(engine_argv(dep.engine)), self.extra)
         if "--port" not in args:
             args += ["--port", str(self.api_port)]
         args = with_host(args, self.host)  # loopback unless the user chose a host
-        if not self.result.attempts and (warning := exposure_warning(args, d["env"])):
+        if not self.result.attempts and (warning := exposure_warning(args, dict(dep.pool.env))):
             self.out(f"vlaunch: {warning}")
-        args = with_drain(args, d.get("vllm_version"), self.stop_timeout)
+        args = with_drain(args, dep.vllm_version, self.stop_timeout)
         for n in notes:
             self.out(f"vlaunch: {n}")
         return args
 
     def _runner(self, number: int, args: list[str], env: dict[str, str],
-                d: dict[str, Any]) -> VllmRunner:
+                d: Deployment) -> VllmRunner:
         """This attempt's supervisor (its own log file, phases printed as they come), and the
         exporter told about it."""
         deadline = self.startup_timeout or startup_deadline_s(d)
@@ -427,7 +429,7 @@ class _ServeLoop:
             self.exporter.record_restart()
         return runner
 
-    def _supervise(self, number: int, runner: VllmRunner, plan: Plan | None, d: dict[str, Any],
+    def _supervise(self, number: int, runner: VllmRunner, plan: Plan | None, d: Deployment,
                    args: list[str]) -> Verdict:
         """Start, wait until ready, check what vLLM allocated, one smoke request, serve."""
         try:
@@ -500,10 +502,10 @@ class _ServeLoop:
         return _NEXT
 
     def _smoke_failed(self, number: int, runner: VllmRunner, smoke: Any, mark: int,
-                      plan: Plan | None, d: dict[str, Any], args: list[str]) -> Verdict:
+                      plan: Plan | None, d: Deployment, args: list[str]) -> Verdict:
         """A first request that fails on fp8 KV is a lesson and a restart with auto KV; any
         other failure is explained and ends the run."""
-        kv = d["kv_cache"]["dtype"]
+        kv = d.pool.kv_cache.dtype
         self.result.attempts.append(Attempt(number, args, "smoke failed", smoke.error or ""))
         self.out(f"vlaunch: the smoke request failed: {smoke.error}")
         runner.settle()
@@ -548,7 +550,7 @@ def _run_pre_command(pre: list[str], out: Callable[[str], None]) -> int:
     return rc if 0 < rc < 256 else 1
 
 
-def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list[str],
+def node_runner(launch: Any, d: Deployment, *, port: int | None, extra: list[str],
                 log_path: Path | None, stop_timeout: float, startup_timeout: float | None,
                 verbose: bool, on_phase: Callable[[str], None] | None = None,
                 host: str | None = None) -> VllmRunner:
@@ -574,16 +576,15 @@ def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list
         if port and "--port" not in args:
             args += ["--port", str(port)]
         args = with_host(args, host)  # loopback unless the user chose a host
-        args = with_drain(args, d.get("vllm_version"), stop_timeout)
-    deadline = startup_timeout or (STARTUP_SECONDS_BASE
-                                   + d["model"]["weights_bytes"] / STARTUP_BYTES_PER_SECOND)
+        args = with_drain(args, d.vllm_version, stop_timeout)
+    deadline = startup_timeout or startup_deadline_s(d)
     return VllmRunner(args, env=launch.env, echo=echo, log_path=log_path,
                       command=vllm_command(serve_cli="--headless" in args),
                       startup_timeout=deadline, grace_period=stop_timeout, on_phase=on_phase,
                       api=launch.serves_api)
 
 
-def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: int | None,
+def run_node(launch: Any, d: Deployment, *, port: int | None, metrics_port: int | None,
              metrics_bind: str, log_dir: Path, dry_run: bool, verbose: bool,
              startup_timeout: float | None, stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
              extra: list[str] | None = None, out: Callable[[str], None] = print,
@@ -660,20 +661,20 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
     return status if status is not None else 1
 
 
-def learn_measured_kv(d: dict[str, Any], alloc: vllmlog.Allocation) -> str | None:
+def learn_measured_kv(d: Deployment, alloc: vllmlog.Allocation) -> str | None:
     """Record what vLLM measured (its startup-plan files) as ground truth for the next plan."""
     from ..predict import measured
 
-    if d["kv_cache"].get("pinned"):
+    if d.pool.kv_cache.pinned:
         return None
     kv = measured.read_startup_plans(alloc.startup_plan_paths) or alloc.startup_plan_applied_bytes
     if not kv:
         return None
-    path = measured.record(d, kv, f"vLLM {d['vllm_version']} startup plan")
+    path = measured.record(d, kv, f"vLLM {d.vllm_version} startup plan")
     return f"{kv / GiB:.2f} GiB in {path}"
 
 
-def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,
+def _start_exporter(base_url: str, plan: Deployment, port: int, bind: str,
                     out: Callable[[str], None], startup_timeout: float | None = None):
     """The exporter beside a start: its "starting" phase lasts as long as this attempt may
     (a user's longer --startup-timeout must not end it early and fire VlaunchEngineDown)."""

@@ -40,6 +40,7 @@ injectable (`runner_factory`, `loadgen_factory`) so the bookkeeping is tested wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..deployment.codec import load
+from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
@@ -595,8 +598,9 @@ class Tuner:
             from ..paths import cache_dir
 
             cache_dir().mkdir(parents=True, exist_ok=True)  # record() writes beside it
-            path = calibration.record(t.plan, points, f"vlaunch tune {utc_now()}",
-                                      shape_from_plan(t.plan))
+            plan = load(t.plan)
+            path = calibration.record(plan, points, f"vlaunch tune {utc_now()}",
+                                      shape_from_plan(plan))
         except Exception as e:  # noqa: BLE001 - a calibration problem must not lose the trial
             rec["calibration"] = f"not recorded: {type(e).__name__}: {e}"
             return
@@ -628,8 +632,8 @@ class Tuner:
         self.out(f"  why: {rec['why']}")
         self.out(f"  {self.dir / TUNE_FILE}; run it: vlaunch exec --plan "
                  f"{self.dir / 'plan.json'}" + (
-                     " -- " + shlex.join(redact_args(plan["tuned"]["extra_args"]))
-                     if plan["tuned"].get("extra_args") else ""))
+                     " -- " + shlex.join(redact_args(list(plan.tuned["extra_args"])))
+                     if plan.tuned and plan.tuned.get("extra_args") else ""))
         if self.opts.plot:
             self._plot()
 
@@ -649,7 +653,7 @@ class Tuner:
                  f"SLO met up to concurrency {k['concurrency']} at least, "
                  f"{k['goodput_rps']:.2f} req/s goodput; --resume measures it again")
 
-    def _recommended_plan(self, rec: dict[str, Any]) -> dict[str, Any]:
+    def _recommended_plan(self, rec: dict[str, Any]) -> Deployment:
         """The plan that `vlaunch exec --plan` runs: the planner's own plan of the chosen
         candidate (exec re-plans from its fields), with what was measured beside it."""
         trial = next(r for r in self.doc["trials"] if r["name"] == rec["trial"]
@@ -657,16 +661,19 @@ class Tuner:
         spec = self._spec_of(trial)
         if spec is None:  # resumed from a run whose candidates differ: the baseline's plan
             spec = next(iter(self._specs.values()))
-        plan = json.loads(json.dumps(spec.plan))
-        plan["tuned"] = {"tune_json": str(self.dir / TUNE_FILE), "trial": rec["trial"],
-                         "concurrency": rec["concurrency"], "measured": rec["measured"],
-                         "slo": self.doc["slo"], "workload": self.doc["workload"],
-                         "extra_args": trial["pins"].get("extra_args", [])}
-        perf = plan.get("performance")
-        if isinstance(perf, dict):
-            perf["measured"] = {"source": "measured", "concurrency": rec["concurrency"],
-                                **rec["measured"]}
-        return plan
+        dep = load(spec.plan)
+        tuned = json.loads(json.dumps({
+            "tune_json": str(self.dir / TUNE_FILE), "trial": rec["trial"],
+            "concurrency": rec["concurrency"], "measured": rec["measured"],
+            "slo": self.doc["slo"], "workload": self.doc["workload"],
+            "extra_args": trial["pins"].get("extra_args", [])}))
+        perf = dep.performance
+        if perf is not None:
+            perf = dataclasses.replace(perf, measured=json.loads(json.dumps(
+                {"source": "measured", "concurrency": rec["concurrency"], **rec["measured"]})))
+            pools = (dataclasses.replace(dep.pool, performance=perf), *dep.pools[1:])
+            dep = dataclasses.replace(dep, performance=perf, pools=pools)
+        return dataclasses.replace(dep, tuned=tuned)
 
     def _spec_of(self, trial: dict[str, Any]) -> TrialSpec | None:
         return self._specs.get(trial["key"])

@@ -729,21 +729,21 @@ def _fits(plan: Any) -> bool:
     where a planner release takes the pin on trust."""
     if not plan.fits:
         return False
-    d = plan.to_dict()
-    g = d["per_gpu"]
-    used = sum(g.get(k, 0) for k in ("weights_bytes", "activation_bytes", "cudagraph_bytes",
-                                      "non_torch_bytes", "kv_cache_bytes"))
-    return plan.hardware.is_cpu or used <= d["gpus"]["total_bytes"]
+    dep = plan.deployment()
+    g = dep.pool.per_gpu
+    used = (g.weights_bytes + g.activation_bytes + g.cudagraph_bytes + g.non_torch_bytes
+            + g.kv_cache_bytes)
+    return plan.hardware.is_cpu or used <= dep.hardware.total_bytes
 
 
 def _problem(plan: Any) -> str:
     if not plan.fits:
         return plan.chosen.problem
-    d = plan.to_dict()
-    g = d["per_gpu"]
-    return (f"the pinned KV cache ({g['kv_cache_bytes'] / (1 << 30):.1f} GiB) and weights "
-            f"({g['weights_bytes'] / (1 << 30):.1f} GiB) exceed the "
-            f"{d['gpus']['total_bytes'] / (1 << 30):.1f} GiB card")
+    dep = plan.deployment()
+    g = dep.pool.per_gpu
+    return (f"the pinned KV cache ({g.kv_cache_bytes / (1 << 30):.1f} GiB) and weights "
+            f"({g.weights_bytes / (1 << 30):.1f} GiB) exceed the "
+            f"{dep.hardware.total_bytes / (1 << 30):.1f} GiB card")
 
 
 _ALTERNATIVE = re.compile(r"--kv-cache-memory-bytes (\d+)")

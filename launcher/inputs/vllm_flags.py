@@ -57,6 +57,7 @@ class Pin:
     field: str  # the planner's Pins field
     help: str
     negatable: bool = False  # --x/--no-x, unset by default (a tri-state pin)
+    group: str = "plan"  # plan: layout, memory, scheduler; serving: parsers, backends
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,8 @@ class FlagSpec:
         return self.secret_env is not None
 
 
-def _p(option: str, field: str, help: str, negatable: bool = False) -> Pin:
-    return Pin(option, field, help, negatable)
+def _p(option: str, field: str, help: str, negatable: bool = False, group: str = "plan") -> Pin:
+    return Pin(option, field, help, negatable, group)
 
 
 _FLAGS = (
@@ -120,7 +121,8 @@ _FLAGS = (
                     "Pin the prefill token budget.")),
     FlagSpec("enforce_eager", SWITCH, plan=SWITCH, suggest=True,
              pin=_p("--enforce-eager", "enforce_eager", "No CUDA graphs (more KV, slower).")),
-    FlagSpec("kv_cache_memory_bytes", INT, plan=COUNT, suggest=True, gate="kv_cache_memory_bytes",
+    FlagSpec("kv_cache_memory_bytes", INT, plan=COUNT, suggest=True,
+             gate="kv_cache_memory_bytes",
              pin=_p("--kv-cache-memory-bytes", "kv_cache_memory_bytes",
                     "Pin the KV cache size per GPU (vLLM then skips its profiling).")),
     FlagSpec("enable_chunked_prefill", SWITCH, plan=SWITCH),
@@ -128,20 +130,21 @@ _FLAGS = (
     # --- serving features (launcher/predict/serving_flags.py, ep_backend.py, speculative.py) --
     FlagSpec("reasoning_parser", STR, plan=NAME,
              pin=_p("--reasoning-parser", "reasoning_parser",
-                    "Pin vLLM's reasoning parser ('none': off).")),
+                    "Pin vLLM's reasoning parser ('none': off).", group="serving")),
     FlagSpec("enable_reasoning", SWITCH, plan=SWITCH, gate="serving:enable_reasoning_flag",
              note="vLLM 0.7.1-0.8.x only (profiles/serving.yaml enable_reasoning_flag)"),
     FlagSpec("tool_call_parser", STR, plan=NAME,
              pin=_p("--tool-call-parser", "tool_call_parser",
-                    "Pin vLLM's tool-call parser ('none': off).")),
+                    "Pin vLLM's tool-call parser ('none': off).", group="serving")),
     FlagSpec("enable_auto_tool_choice", SWITCH, plan=SWITCH),
     FlagSpec("chat_template", STR, plan=PATH,
              pin=_p("--chat-template", "chat_template",
-                    "Chat template file for vLLM (tool calling).")),
+                    "Chat template file for vLLM (tool calling).", group="serving")),
     FlagSpec("tokenizer_mode", STR, plan=NAME),
     FlagSpec("all2all_backend", STR, plan=NAME, gate="serving:ep_backend",
              pin=_p("--all2all-backend", "all2all_backend",
-                    "Pin the DP+EP all-to-all backend (e.g. deepep_low_latency).")),
+                    "Pin the DP+EP all-to-all backend (e.g. deepep_low_latency).",
+                    group="serving")),
     FlagSpec("speculative_config", JSON, ("-sc",), plan=SPECULATIVE),
     # --- set by vlaunch at launch, never by a plan ----------------------------------------------
     FlagSpec("port", INT, suggest=True, note="serve picks a free one; the doctor may move it"),
@@ -245,9 +248,7 @@ def argv(values: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[str]:
         f = BY_DEST[dest]
         if value is None or value is False:
             continue
-        if f.kind == SWITCH:
-            out.append(f.name)
-        elif f.kind == OPTIONAL and value is True:
+        if f.kind == SWITCH or (f.kind == OPTIONAL and value is True):
             out.append(f.name)
         else:
             out += [f.name, *_text(f, value)]
@@ -503,6 +504,16 @@ def _own_cache_root(environ: Mapping[str, str]) -> str | None:
     return os.path.join(environ["HF_HOME"], "vllm") if environ.get("HF_HOME") else None
 
 
+def _env_ok(check: str, text: str, environ: Mapping[str, str]) -> bool:
+    if check == COUNT:
+        return (_number(text, int) or 0) >= 1
+    if check == "bit":
+        return text in ("0", "1")
+    if check == NAME:
+        return _NAME.fullmatch(text) is not None
+    return text == _own_cache_root(environ)
+
+
 def check_plan_env(env: Mapping[object, object],
                    environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The plan's environment as strings, if every name is on the allow-list with a valid value."""
@@ -516,11 +527,7 @@ def check_plan_env(env: Mapping[object, object],
         if not isinstance(v, (str, int, float)) or isinstance(v, bool):
             raise _refuse(f"a non-scalar value for {name}")
         text = str(v)
-        ok = {COUNT: lambda: (_number(text, int) or 0) >= 1,
-              "bit": lambda: text in ("0", "1"),
-              NAME: lambda: _NAME.fullmatch(text) is not None,
-              "own": lambda: text == _own_cache_root(environ)}[check]()
-        if not ok:
+        if not _env_ok(check, text, environ):
             raise _refuse(f"{name}={text[:64]!r}")
         out[name] = text
     return out

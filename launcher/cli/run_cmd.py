@@ -117,21 +117,21 @@ def serve_cmd(model: str, revision: str | None, gpus: str | None, extra: tuple[s
 def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> None:
     """Start vLLM on an emitted plan (the main container of the init-container pattern)."""
     import os
+    from pathlib import Path
 
-    from ..predict.plan_check import check_plan
+    from ..predict.plan_check import check_exec_plan
     from ..run.emit import load_plan
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     d = load_plan(plan_path)
-    check_plan(d)
+    plan_dir = str(Path(plan_path) if Path(plan_path).is_dir() else Path(plan_path).parent)
+    check_exec_plan(d, plan_dir)
     nodes = int(d["parallel"].get("nodes", 1))
     if nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
-        from pathlib import Path
-
         from ..run.multinode import build_launch
         from ..run.serve import run_node
 
-        launch = build_launch(d, role=role)
+        launch = build_launch(d, role=role, plan_dir=plan_dir)
         log_dir = Path(opts["log_dir"])
         log_dir.mkdir(parents=True, exist_ok=True)
         as_json = opts["fmt"] == "json"

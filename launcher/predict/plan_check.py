@@ -7,9 +7,12 @@ re-plan. This says which field is missing or wrong, in one line.
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 
 _COUNT = "a whole number of at least 1"
 _BYTES = "a whole number of bytes"
@@ -60,3 +63,83 @@ def check_plan(d: dict[str, Any]) -> None:
     if not _ok("count", nodes):
         raise InputError(f"the plan's `parallel.nodes` is {nodes!r:.40}; it must be {_COUNT}; "
                          f"{fix}")
+
+
+# What `exec` takes from a plan besides the fields above, each through the flag table's check
+# (issue 31: a plan.json on a shared volume is the attacker's text): (section path, field,
+# the table's flag whose check applies, or a plain kind).
+_EXEC_FIELDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("serving", "parsers"), "reasoning_parser", "reasoning_parser"),
+    (("serving", "parsers"), "tool_call_parser", "tool_call_parser"),
+    (("serving", "parsers"), "chat_template", "chat_template"),
+    (("serving", "parsers"), "tokenizer_mode", "tokenizer_mode"),
+    (("serving", "ep_backend"), "backend", "all2all_backend"),
+    (("kv_cache",), "dtype", "kv_cache_dtype"),
+    (("model",), "revision", "revision"),
+    (("model",), "commit", "revision"),
+)
+_EXEC_NUMBERS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("serving", "speculative"), "num_speculative_tokens", "whole"),
+    (("serving", "speculative", "acceptance"), "first", "fraction"),
+    (("performance",), "input_len", "count"),
+    (("performance",), "output_len", "count"),
+    (("performance", "slo"), "ttft_ms", "positive"),
+    (("performance", "slo"), "tpot_ms", "positive"),
+)
+
+
+def _section(d: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
+    part: Any = d
+    for key in path:
+        part = part.get(key) if isinstance(part, dict) else None
+    return part if isinstance(part, dict) else None
+
+
+def _number_ok(kind: str, v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    if kind == "whole":
+        return isinstance(v, int) and v >= 0
+    if kind == "count":
+        return isinstance(v, int) and v >= 1
+    if kind == "fraction":
+        return 0 <= v <= 1
+    return v > 0
+
+
+def check_exec_plan(d: dict[str, Any], plan_dir: str | None = None) -> None:
+    """Everything `exec` takes from plan dict `d` into vLLM's argv or the re-plan: its own
+    `vllm_args` through the flag table's allow-list (no other model, no flag the planner never
+    writes), each serving field with its flag's value check (a chat template only inside the
+    model's or the plan's folder, parsers and backends only as plain names) and each number it
+    reads finite and in range. One line naming the field; never a traceback."""
+    check_plan(d)
+    fix = "re-emit it with `vlaunch plan MODEL --emit DIR`"
+    ctx = F.plan_context(d, plan_dir)
+    F.check_plan_args([str(a) for a in d["vllm_args"]], ctx)
+    for path, name, dest in _EXEC_FIELDS:
+        part = _section(d, path)
+        value = part.get(name) if part else None
+        if value is None or (dest.endswith("_parser") and value == "none"):
+            continue
+        why = F.check_value(dest, value, ctx)
+        if why is not None:
+            where = ".".join((*path, name))
+            raise InputError(f"the plan's `{where}` is {str(value)[:64]!r}, which {why}; {fix}")
+    for path, name, kind in _EXEC_NUMBERS:
+        part = _section(d, path)
+        if part is None or name not in part or part[name] is None:
+            continue
+        if not _number_ok(kind, part[name]):
+            where = ".".join((*path, name))
+            raise InputError(f"the plan's `{where}` is {part[name]!r:.40}; it must be a "
+                             f"{'whole ' if kind in ('whole', 'count') else ''}number"
+                             f"{' in [0, 1]' if kind == 'fraction' else ''}"
+                             f"{' above 0' if kind in ('count', 'positive') else ''}; {fix}")
+    version = d.get("vllm_version")
+    if version is not None and not (isinstance(version, str) and _VERSION.fullmatch(version)):
+        raise InputError(f"the plan's `vllm_version` is {version!r:.40}; it must be a release "
+                         f"such as 0.32.0; {fix}")
+
+
+_VERSION = re.compile(r"\d{1,4}(\.\d{1,6}){0,3}([.+-][A-Za-z0-9.+-]{1,40})?")

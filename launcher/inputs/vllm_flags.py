@@ -141,7 +141,7 @@ _FLAGS = (
              pin=_p("--chat-template", "chat_template",
                     "Chat template file for vLLM (tool calling).", group="serving")),
     FlagSpec("tokenizer_mode", STR, plan=NAME),
-    FlagSpec("all2all_backend", STR, plan=NAME, gate="serving:ep_backend",
+    FlagSpec("all2all_backend", STR, plan=NAME, gate="serving:ep_backends.selector",
              pin=_p("--all2all-backend", "all2all_backend",
                     "Pin the DP+EP all-to-all backend (e.g. deepep_low_latency).",
                     group="serving")),

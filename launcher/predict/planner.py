@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
+from ..inputs import vllm_flags
 from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec, Quant
 from ..inputs.workload import (
@@ -88,33 +89,29 @@ class Plan:
         """vLLM's arguments for this plan; empty when it does not fit (nothing to run)."""
         if not self.fits:
             return []
-        c, L = self.chosen, self.chosen.layout
-        args = ["--model", self.model.path or self.model.hf_id]
-        if self.model.path:
-            args += ["--served-model-name", self.model.name]
-        elif self.model.revision:  # the Hub revision as the user gave it, like the id
-            args += ["--revision", self.model.revision]
-        args += ["--tensor-parallel-size", str(L.tp)]
-        if L.pp > 1:
-            args += ["--pipeline-parallel-size", str(L.pp)]
-        if L.dp > 1:
-            args += ["--data-parallel-size", str(L.dp)]
-        if L.expert_parallel:
-            args.append("--enable-expert-parallel")
-        args += ["--max-model-len", str(c.max_model_len), "--kv-cache-dtype", c.kv_dtype]
-        if self.kv_pinned:
-            args += ["--kv-cache-memory-bytes", str(c.kv_memory)]
-        if not (self.kv_pinned and self.hardware.is_cpu):
-            # With a pinned KV size vLLM skips profiling but still checks free memory against
-            # utilization x total (v1/worker/gpu_worker.py Worker.init_device ->
-            # v1/worker/utils.py request_memory): keep the utilization the plan chose.
-            args += ["--gpu-memory-utilization", f"{c.utilization:.2f}"]
-        args += ["--max-num-seqs", str(c.max_num_seqs),
-                 "--max-num-batched-tokens", str(c.max_num_batched_tokens)]
-        if self.chunked_prefill:
-            args.append("--enable-chunked-prefill")
-        if self.enforce_eager and not self.hardware.is_cpu:
-            args.append("--enforce-eager")
+        c, L, local = self.chosen, self.chosen.layout, bool(self.model.path)
+        # With a pinned KV size vLLM skips profiling but still checks free memory against
+        # utilization x total (v1/worker/gpu_worker.py Worker.init_device ->
+        # v1/worker/utils.py request_memory): keep the utilization the plan chose.
+        keep_util = not (self.kv_pinned and self.hardware.is_cpu)
+        args = vllm_flags.argv({
+            "model": self.model.path or self.model.hf_id,
+            "served_model_name": self.model.name if local else None,
+            # the Hub revision as the user gave it, like the id
+            "revision": None if local else self.model.revision or None,
+            "tensor_parallel_size": L.tp,
+            "pipeline_parallel_size": L.pp if L.pp > 1 else None,
+            "data_parallel_size": L.dp if L.dp > 1 else None,
+            "enable_expert_parallel": L.expert_parallel,
+            "max_model_len": c.max_model_len,
+            "kv_cache_dtype": c.kv_dtype,
+            "kv_cache_memory_bytes": c.kv_memory if self.kv_pinned else None,
+            "gpu_memory_utilization": c.utilization if keep_util else None,
+            "max_num_seqs": c.max_num_seqs,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "enable_chunked_prefill": self.chunked_prefill,
+            "enforce_eager": self.enforce_eager and not self.hardware.is_cpu,
+        })
         if self.serving is not None:
             args += self.serving.vllm_args()
         return args

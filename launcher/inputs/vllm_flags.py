@@ -307,10 +307,11 @@ def parse(args: Sequence[str]) -> Parsed:
 
 
 def value(args: Sequence[str], dest: str) -> str | None:
-    """The value of one flag in `args` as text (the last one wins, as argparse does)."""
+    """The value of one flag in `args` as text (the last one wins, as argparse does); of a list
+    (--served-model-name A B, --api-key K1 K2) the first, the one vLLM reports and clients use."""
     got = parse(args).values.get(dest)
     if isinstance(got, list):
-        return " ".join(got) if got else None
+        return got[0] if got else None
     return None if got is None or got is True else str(got)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from ..inputs import vllm_flags as F
 from .vllmargs import arg_value
 
 DEFAULT_STOP_TIMEOUT_S = 120
@@ -38,8 +39,8 @@ def with_drain(args: Sequence[str], vllm_version: str | None, stop_timeout: floa
     """Add `--shutdown-timeout` so SIGTERM drains instead of aborting, where vLLM has it and
     the user did not set it."""
     out = list(args)
-    if arg_value(out, "--shutdown-timeout") is not None:
+    if arg_value(out, "shutdown_timeout") is not None:
         return out
     if _version_tuple(vllm_version) >= SHUTDOWN_TIMEOUT_SINCE:
-        out += ["--shutdown-timeout", str(drain_seconds(stop_timeout))]
+        out += [F.flag("shutdown_timeout"), str(drain_seconds(stop_timeout))]
     return out

@@ -362,3 +362,15 @@ def test_the_doctors_run_line_carries_only_the_safe_set(tmp_path):
             assert bad not in r.output, (bad, r.output)
     assert F.from_log_args(args) == ["--max-model-len", "40960",
                                      "--gpu-memory-utilization", "0.50"]
+
+
+def test_a_users_flag_replaces_the_plans_in_any_spelling_vllm_accepts():
+    from launcher.predict.replan import merge_args
+
+    planned = ["--model", "m", "--gpu-memory-utilization", "0.90", "--max-model-len", "4096"]
+    for mine in (["--device-memory-utilization", "0.80"], ["--gpu_memory_utilization", "0.80"],
+                 ["--gpu-memory-utilization=0.80"]):
+        merged, notes = merge_args(planned, mine)
+        assert F.parse(merged).values["gpu_memory_utilization"] == "0.80", merged
+        assert "0.90" not in merged and len(notes) == 1, merged
+        assert F.value(merged, "max_model_len") == "4096"

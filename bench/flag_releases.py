@@ -45,12 +45,11 @@ def flags_in(root: Path) -> set[str]:
             texts[rel] = p.read_text(encoding="utf-8", errors="replace")
     found: set[str] = set()
     for f in F.flags():
-        literal = re.compile(r"""add_argument\(\s*["']%s["']""" % re.escape(f.name))
-        field = re.compile(r"^    %s\s*:" % re.escape(f.dest), re.M)
+        literal = re.compile(r"""add_argument\(\s*["']""" + re.escape(f.name) + "[\"']")
+        field = re.compile(r"^    " + re.escape(f.dest) + r"\s*:", re.M)
         for rel, text in texts.items():
-            if literal.search(text):
-                found.add(f.dest)
-            elif rel.endswith("cli_args.py") and "FrontendArgs" in text and field.search(text):
+            generated = rel.endswith("cli_args.py") and "FrontendArgs" in text
+            if literal.search(text) or (generated and field.search(text)):
                 found.add(f.dest)
     return found
 

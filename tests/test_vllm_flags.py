@@ -374,3 +374,64 @@ def test_a_users_flag_replaces_the_plans_in_any_spelling_vllm_accepts():
         assert F.parse(merged).values["gpu_memory_utilization"] == "0.80", merged
         assert "0.90" not in merged and len(notes) == 1, merged
         assert F.value(merged, "max_model_len") == "4096"
+
+
+# ---- releases: read from the sdists -----------------------------------------------------------
+
+
+def _scanned() -> tuple[list[str], dict[str, set[str]]]:
+    """tests/fixtures/vllm_flag_releases.csv: the table's flags found in each release's sdist
+    from 0.6.0 to 0.32.0 (bench/flag_releases.py; 0.15.x has no sdist on PyPI)."""
+    import csv
+
+    with (REPO / "tests" / "fixtures" / "vllm_flag_releases.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    return [r["release"] for r in rows], {r["release"]: set(r["flags"].split()) for r in rows}
+
+
+def test_each_flags_releases_are_the_sdists():
+    order, have = _scanned()
+    assert order[0] == F.OLDEST_READ and order[-1] == "0.32.0"
+    for f in F.flags():
+        present = [r for r in order if f.dest in have[r]]
+        assert present, f.dest
+        first = present[0]
+        after = order[order.index(first):]
+        gone = next((r for r in after if f.dest not in have[r]), None)
+        if gone is not None:  # removed: absent in every release after
+            assert all(f.dest not in have[r] for r in after[after.index(gone):]), f.dest
+        since, until = F.releases(f.dest)
+        assert (since or F.OLDEST_READ) == first, (f.dest, since, first)
+        assert until == gone, (f.dest, until, gone)
+        for r in order:
+            assert F.available(f.dest, r) == (f.dest in have[r]), (f.dest, r)
+
+
+def test_the_sdist_reading_finds_what_the_installed_parser_has(vllm_parser):
+    """The method of bench/flag_releases.py, run on the installed vLLM, agrees with its parser."""
+    import importlib.util
+    import sys
+
+    import vllm
+
+    spec = importlib.util.spec_from_file_location("flag_releases",
+                                                  REPO / "bench" / "flag_releases.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["flag_releases"] = mod
+    spec.loader.exec_module(mod)
+    found = mod.flags_in(Path(vllm.__file__).parent.parent)
+    acts = _actions(vllm_parser)
+    assert found == {f.dest for f in F.flags() if f.name in acts}
+
+
+def test_a_multinode_plan_for_a_vllm_without_the_node_flags_is_refused():
+    plan = _mn_plan(vllm_version="0.10.2")
+    with pytest.raises(InputError, match="no --nnodes .first in 0.11.1"):
+        _launch(plan)
+    assert "--nnodes" in _launch(_mn_plan(vllm_version="0.11.1")).argv
+    dp = _mn_plan(vllm_version="0.8.5")
+    dp["parallel"].update(tp=8, dp=2)
+    dp["vllm_args"] = ["--model", "deepseek-ai/DeepSeek-R1", "--tensor-parallel-size", "8",
+                       "--data-parallel-size", "2"]
+    with pytest.raises(InputError, match="data-parallel-size-local .first in 0.9.0"):
+        _launch(dp)

@@ -12,7 +12,9 @@ Why Python dataclasses and not a YAML profile: each entry carries a value check 
 the model's or the plan's folder, a JSON object of known keys), which is code; the facts that
 are data elsewhere are referenced, not copied: `gate` names the row of
 profiles/capabilities.yaml `vllm_features` (or profiles/serving.yaml) that records the first
-release with the flag, read from the sdists, so a release number lives in one place.
+release with the flag, so a release number lives in one place; the other flags carry their own
+`since`/`until`. Both were read from every release's sdist from 0.6.0 to 0.32.0
+(bench/flag_releases.py; tests/fixtures/vllm_flag_releases.csv, which a test holds the table to).
 
 Names, types and destinations are vLLM 0.32.0's (`vllm/engine/arg_utils.py` EngineArgs,
 `vllm/entrypoints/launchers/cli_args.py` FrontendArgs, `vllm/entrypoints/cli/serve.py`);
@@ -72,6 +74,8 @@ class FlagSpec:
     suggest: bool = False  # the doctor may put it in a `fix:` or `run:` line
     plan: str | None = None  # the check a plan run by `exec` passes it through; None: refused
     gate: str | None = None  # the table row with its first release (capabilities/serving.yaml)
+    since: str | None = None  # first release with it (the sdists; None: every release read)
+    until: str | None = None  # first release without it again (removed), None: still there
     note: str = ""  # why it is in the table, when that is not obvious
 
     @property
@@ -128,11 +132,12 @@ _FLAGS = (
     FlagSpec("enable_chunked_prefill", SWITCH, plan=SWITCH),
     FlagSpec("block_size", INT, plan=COUNT),
     # --- serving features (launcher/predict/serving_flags.py, ep_backend.py, speculative.py) --
-    FlagSpec("reasoning_parser", STR, plan=NAME,
+    FlagSpec("reasoning_parser", STR, plan=NAME, since="0.7.1",
              pin=_p("--reasoning-parser", "reasoning_parser",
                     "Pin vLLM's reasoning parser ('none': off).", group="serving")),
-    FlagSpec("enable_reasoning", SWITCH, plan=SWITCH, gate="serving:enable_reasoning_flag",
-             note="vLLM 0.7.1-0.8.x only (profiles/serving.yaml enable_reasoning_flag)"),
+    FlagSpec("enable_reasoning", SWITCH, plan=SWITCH, since="0.7.1", until="0.10.0",
+             note="needed with --reasoning-parser before 0.9.0 (profiles/serving.yaml "
+                  "enable_reasoning_flag), accepted until 0.10.0 removed it"),
     FlagSpec("tool_call_parser", STR, plan=NAME,
              pin=_p("--tool-call-parser", "tool_call_parser",
                     "Pin vLLM's tool-call parser ('none': off).", group="serving")),
@@ -145,20 +150,20 @@ _FLAGS = (
              pin=_p("--all2all-backend", "all2all_backend",
                     "Pin the DP+EP all-to-all backend (e.g. deepep_low_latency).",
                     group="serving")),
-    FlagSpec("speculative_config", JSON, ("-sc",), plan=SPECULATIVE),
+    FlagSpec("speculative_config", JSON, ("-sc",), plan=SPECULATIVE, since="0.8.2"),
     # --- set by vlaunch at launch, never by a plan ----------------------------------------------
     FlagSpec("port", INT, suggest=True, note="serve picks a free one; the doctor may move it"),
     FlagSpec("host", STR, note="serve binds loopback unless told (launcher/run/exposure.py)"),
-    FlagSpec("shutdown_timeout", INT, note="serve's drain (launcher/run/drain.py)"),
-    FlagSpec("headless", SWITCH),
-    FlagSpec("nnodes", INT, ("-n",)),
-    FlagSpec("node_rank", INT, ("-r",)),
-    FlagSpec("master_addr", STR),
-    FlagSpec("master_port", INT),
-    FlagSpec("data_parallel_size_local", INT, ("-dpl",)),
-    FlagSpec("data_parallel_address", STR, ("-dpa",)),
-    FlagSpec("data_parallel_rpc_port", INT, ("-dpp",)),
-    FlagSpec("data_parallel_start_rank", INT, ("-dpr",)),
+    FlagSpec("shutdown_timeout", INT, since="0.18.0", note="serve's drain (launcher/run/drain.py)"),
+    FlagSpec("headless", SWITCH, since="0.9.0"),
+    FlagSpec("nnodes", INT, ("-n",), since="0.11.1"),
+    FlagSpec("node_rank", INT, ("-r",), since="0.11.1"),
+    FlagSpec("master_addr", STR, since="0.11.1"),
+    FlagSpec("master_port", INT, since="0.11.1"),
+    FlagSpec("data_parallel_size_local", INT, ("-dpl",), since="0.9.0"),
+    FlagSpec("data_parallel_address", STR, ("-dpa",), since="0.9.0"),
+    FlagSpec("data_parallel_rpc_port", INT, ("-dpp",), since="0.9.0"),
+    FlagSpec("data_parallel_start_rank", INT, ("-dpr",), since="0.9.0"),
     FlagSpec("distributed_executor_backend", STR),
     FlagSpec("disable_custom_all_reduce", SWITCH, suggest=True,
              note="the doctor's fix for a custom all-reduce failure"),
@@ -166,16 +171,64 @@ _FLAGS = (
     FlagSpec("root_path", STR, note="the endpoint's path prefix"),
     # --- secrets: never echoed, never replayed from a log -------------------------------------
     FlagSpec("api_key", LIST, secret_env="VLLM_API_KEY"),
-    FlagSpec("hf_token", OPTIONAL, secret_env="HF_TOKEN"),
+    FlagSpec("hf_token", OPTIONAL, secret_env="HF_TOKEN", since="0.8.4"),
     # --- known to be dangerous: never from a plan, never suggested (issue 31 H2, M3) ---------
     FlagSpec("trust_remote_code", SWITCH, note="runs the checkpoint's own Python"),
-    FlagSpec("tool_parser_plugin", STR, note="imports a Python file"),
-    FlagSpec("allowed_local_media_path", STR, note="lets requests read local files"),
+    FlagSpec("tool_parser_plugin", STR, since="0.6.3", note="imports a Python file"),
+    FlagSpec("allowed_local_media_path", STR, since="0.6.4", note="lets requests read local files"),
 )  # fmt: skip
 
 BY_DEST: dict[str, FlagSpec] = {f.dest: f for f in _FLAGS}
 BY_NAME: dict[str, FlagSpec] = {n: f for f in _FLAGS for n in f.names}
 assert len(BY_DEST) == len(_FLAGS), "a flag is in the table twice"
+
+
+OLDEST_READ = "0.6.0"
+"""The oldest release whose sdist was read for the table (bench/flag_releases.py,
+tests/fixtures/vllm_flag_releases.csv): `since` None means "in every release from this one"."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in str(text).split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def _gate_row(gate: str) -> dict[str, Any]:
+    """The release row a gate names: `NAME` in profiles/capabilities.yaml vllm_features,
+    `serving:A.B` in profiles/serving.yaml (a list of rows: the `style: flag` one)."""
+    from ..paths import profiles_dir, read_yaml
+
+    if gate.startswith("serving:"):
+        row: Any = read_yaml(profiles_dir() / "serving.yaml")
+        for key in gate.split(":", 1)[1].split("."):
+            row = row[key]
+        if isinstance(row, list):
+            row = next(r for r in row if r.get("style") == "flag")
+        return row
+    return read_yaml(profiles_dir() / "capabilities.yaml")["vllm_features"][gate]
+
+
+def releases(dest: str) -> tuple[str | None, str | None]:
+    """(first release with the flag, first release without it again) - from its gate's row
+    when it has one, else from the table."""
+    f = BY_DEST[dest]
+    if f.gate is not None:
+        row = _gate_row(f.gate)
+        return row.get("since"), row.get("until")
+    return f.since, f.until
+
+
+def available(dest: str, version: str) -> bool:
+    """Does vLLM `version` have the flag? (A version older than OLDEST_READ is taken to have
+    what OLDEST_READ has: nothing older was read.)"""
+    since, until = releases(dest)
+    v = _version(version)
+    return (since is None or v >= _version(since)) and (until is None or v < _version(until))
 
 
 def flags() -> tuple[FlagSpec, ...]:

@@ -253,7 +253,22 @@ def build_launch(
                         "data_parallel_start_rank": rank * local if node_role == WORKER
                         else None})
     flags += F.argv({"headless": node_role == WORKER})
+    _check_release(flags, plan.get("vllm_version"))
     return NodeLaunch(node_role, rank, nnodes, serve + flags, env, serves_api=node_role == LEADER)
+
+
+def _check_release(flags: Sequence[str], version: object) -> None:
+    """The per-node flags must exist in the plan's vLLM (--nnodes and --master-addr since 0.11.1,
+    --headless and the --data-parallel-* address flags since 0.9.0: the flag table's releases);
+    an older vLLM refuses them at start-up on every node."""
+    if not isinstance(version, str) or not version:
+        return
+    for dest in F.parse(flags).values:
+        if not F.available(dest, version):
+            since, _ = F.releases(dest)
+            raise InputError(f"vLLM {version} has no {F.flag(dest)} (first in {since}), which "
+                             f"this multi-node layout needs; plan for vLLM {since} or newer "
+                             "(--vllm-version)")
 
 
 def _check_per_node(ranks: int, gpus_per_node: object) -> None:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..inputs import vllm_flags
 from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
@@ -293,7 +294,7 @@ class Decision:
                           separators=(",", ":"))
 
     def vllm_args(self) -> list[str]:
-        return ["--speculative-config", self.config_json()] if self.enabled else []
+        return vllm_flags.argv({"speculative_config": self.config_json() if self.enabled else None})
 
     def to_dict(self) -> dict[str, Any]:
         a = self.acceptance

@@ -771,12 +771,13 @@ def serve_command_from_pins(ctx: PlanContext, pins: Any, env: dict[str, str]) ->
     if ctx.gpus:
         args += ["--gpus", ctx.gpus]
     for name in ("tp", "pp", "dp", "max_model_len", "kv_cache_dtype", "gpu_memory_utilization",
-                 "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+                 "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+                 "enforce_eager"):
         value = getattr(pins, name)
-        if value is not None:
+        if value is True:  # a switch
+            args.append(_PIN_OPTIONS[name])
+        elif value is not None and value is not False:
             args += [_PIN_OPTIONS[name], _fmt(name, value)]
-    if pins.enforce_eager:
-        args.append(_PIN_OPTIONS["enforce_eager"])
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return (prefix + " " if prefix else "") + shlex.join(args)
 

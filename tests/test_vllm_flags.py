@@ -81,7 +81,7 @@ def test_gates_name_rows_of_the_release_tables():
                 row = row[key]
         else:
             assert f.gate in caps, f.gate
-    assert F.BY_DEST["enable_reasoning"].gate == "serving:enable_reasoning_flag"
+    assert F.releases("kv_cache_memory_bytes") == (caps["kv_cache_memory_bytes"]["since"], None)
 
 
 def test_each_flag_once_and_every_spelling_resolves():

@@ -541,7 +541,7 @@ def check_plan_args(args: Sequence[str], ctx: PlanContext | None = None) -> Pars
             raise _refuse(f"{shown} without a value")
         why = _check(f, f.plan, v, ctx)
         if why is not None:
-            raise _refuse(f"{shown} {str(v)[:64]!r}, which {why}")
+            raise _refuse(f"{shown} {str(v)[:64]!r} (it {why})")
     return parsed
 
 

@@ -461,3 +461,21 @@ def test_nonsense_numbers_in_a_log_make_no_fix(tmp_path):
 
     facts = Facts(args_text=repr(args))
     assert facts.args == {"model": "Qwen/Qwen3-8B", "max_num_batched_tokens": 8192}
+
+
+def test_no_spelling_of_a_flag_a_plan_may_not_carry_gets_through():
+    """Every flag the table keeps out of plans, in every spelling argparse accepts (its name,
+    aliases, `--x_y`, `--x=v`, any abbreviation), and any flag outside the table: refused."""
+    rng = random.Random(31)
+    outside = [f for f in F.flags() if f.plan is None]
+    cases = 0
+    for f in outside:
+        spellings = [*f.names, "--" + f.dest, *(f.name[:i] for i in range(4, len(f.name)))]
+        for word in spellings:
+            for form in ([word], [word, "v"], [f"{word}=v"], [word, str(rng.randint(1, 99))]):
+                plan = _mn_plan()
+                plan["vllm_args"] = plan["vllm_args"] + form
+                with pytest.raises(InputError):  # refused, whichever check sees it first
+                    _launch(plan)
+                cases += 1
+    assert cases > 500

@@ -81,7 +81,7 @@ def test_gates_name_rows_of_the_release_tables():
                 row = row[key]
         else:
             assert f.gate in caps, f.gate
-    assert F.BY_DEST["enable_reasoning"].gate == "serving:enable_reasoning_flag"
+    assert F.releases("kv_cache_memory_bytes") == (caps["kv_cache_memory_bytes"]["since"], None)
 
 
 def test_each_flag_once_and_every_spelling_resolves():
@@ -435,3 +435,47 @@ def test_a_multinode_plan_for_a_vllm_without_the_node_flags_is_refused():
                        "--data-parallel-size", "2"]
     with pytest.raises(InputError, match="data-parallel-size-local .first in 0.9.0"):
         _launch(dp)
+
+
+def test_nonsense_numbers_in_a_log_make_no_fix(tmp_path):
+    """Utilization 1.02 and a 1e26-token context (issue 31): read as absent, never the base
+    of a `fix:` or copied into a `run:` line."""
+    args = {"model": "Qwen/Qwen3-8B", "max_model_len": 1e26, "gpu_memory_utilization": 1.02,
+            "max_num_seqs": -4, "kv_cache_memory_bytes": 0.5, "max_num_batched_tokens": 8192}
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(APIServer pid=1) INFO 11-30 10:00:01 [api_utils.py:347] vLLM API server version 0.32.0\n"
+        f"(APIServer pid=1) INFO 11-30 10:00:02 [api_utils.py:286] non-default args: {args!r}\n"
+        "(EngineCore pid=2) ERROR 11-30 10:00:09 [core.py:1010] ValueError: No available memory "
+        "for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
+        "engine.\n")
+    r = CliRunner().invoke(cli, ["doctor", str(log), "--format", "json"])
+    assert r.exit_code == 1, r.output
+    root = json.loads(r.output)["diagnoses"][0]
+    fix = F.parse(root["fix_args"]).values
+    assert fix and all(F.sane_log_value(k, float(v) if k == "gpu_memory_utilization" else int(v))
+                       for k, v in fix.items() if v is not True), fix
+    for bad in ("1.02", "1e+26", "-4", "0.5"):
+        assert bad not in " ".join(root["fix_args"]) + (root.get("serve_command") or "")
+    from launcher.inputs.vllm_failures import Facts
+
+    facts = Facts(args_text=repr(args))
+    assert facts.args == {"model": "Qwen/Qwen3-8B", "max_num_batched_tokens": 8192}
+
+
+def test_no_spelling_of_a_flag_a_plan_may_not_carry_gets_through():
+    """Every flag the table keeps out of plans, in every spelling argparse accepts (its name,
+    aliases, `--x_y`, `--x=v`, any abbreviation), and any flag outside the table: refused."""
+    rng = random.Random(31)
+    outside = [f for f in F.flags() if f.plan is None]
+    cases = 0
+    for f in outside:
+        spellings = [*f.names, "--" + f.dest, *(f.name[:i] for i in range(4, len(f.name)))]
+        for word in spellings:
+            for form in ([word], [word, "v"], [f"{word}=v"], [word, str(rng.randint(1, 99))]):
+                plan = _mn_plan()
+                plan["vllm_args"] = plan["vllm_args"] + form
+                with pytest.raises(InputError):  # refused, whichever check sees it first
+                    _launch(plan)
+                cases += 1
+    assert cases > 500

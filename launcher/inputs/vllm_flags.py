@@ -397,6 +397,15 @@ SECRET_MARK = "\0env:"
 """A word that stands for "$VARIABLE" in a command the doctor prints (never the value)."""
 
 
+def sane_log_value(dest: str, v: Any) -> bool:
+    """Is a log's number for the table's flag `dest` one the flag takes (a count, a fraction in
+    (0, 1])? A flag outside the table, or a value that is no number, is not judged here."""
+    f = BY_DEST.get(dest)
+    if f is None or f.kind not in (INT, FLOAT):
+        return True
+    return _sane(f, v)
+
+
 def _sane(f: FlagSpec, v: Any) -> bool:
     """A log's value of a suggested flag that is what the flag takes (a count, a fraction in
     (0, 1], a registered name); nonsense from a hostile log is left out, not suggested."""
@@ -532,7 +541,7 @@ def check_plan_args(args: Sequence[str], ctx: PlanContext | None = None) -> Pars
             raise _refuse(f"{shown} without a value")
         why = _check(f, f.plan, v, ctx)
         if why is not None:
-            raise _refuse(f"{shown} {str(v)[:64]!r}, which {why}")
+            raise _refuse(f"{shown} {str(v)[:64]!r} (it {why})")
     return parsed
 
 

@@ -589,9 +589,10 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
         sys.exit(rc)
     if replan:
         from .predict.plan_inputs import inputs_from_plan
+        from .run.exec_check import live_hardware
 
         spec, hw, pins = inputs_from_plan(dep)
-        _run_serve(spec, hw, pins, extra, opts, goals_from_plan(dep),
+        _run_serve(spec, live_hardware(dep, hw), pins, extra, opts, goals_from_plan(dep),
                    plan_hook=pins_from_plan(dep))
         return
     from .run.exec_check import live_misfit

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..deployment.plan import Deployment
 from ..errors import InputError
-from ..inputs.hardware import GiB
+from ..inputs.hardware import GiB, Hardware
 
 
 def live_misfit(dep: Deployment) -> str | None:
@@ -31,3 +31,17 @@ def live_misfit(dep: Deployment) -> str | None:
             f"{hw.free_bytes / GiB:.2f} GiB is free now (the plan saw "
             f"{dep.hardware.free_bytes / GiB:.2f} GiB); free the GPUs, or pass --replan to plan "
             "again for the memory that is free")
+
+
+def live_hardware(dep: Deployment, planned: Hardware) -> Hardware:
+    """The hardware `exec --replan` plans for: this machine's GPUs as NVML reads them now
+    (free memory included) when they are the plan's kind and count, else the plan's own."""
+    if dep.hardware.platform == "cpu":
+        return planned
+    from ..inputs.inventory import detect_hardware
+
+    try:
+        hw = detect_hardware(count=dep.hardware.count)
+    except InputError:
+        return planned
+    return hw if hw.kind.name == planned.kind.name and hw.count == planned.count else planned

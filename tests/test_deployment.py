@@ -227,7 +227,7 @@ def test_replan_plans_for_the_memory_free_now(tmp_path, monkeypatch):
     from launcher.inputs import inventory
     from launcher.predict.plan_inputs import inputs_from_plan
     from launcher.run.emit import load_plan
-    from launcher.run.exec_check import live_hardware
+    from launcher.run.exec_plan import live_hardware
 
     dep = load_plan(_emitted(tmp_path))
     _, planned, _ = inputs_from_plan(dep)

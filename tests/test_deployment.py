@@ -160,6 +160,7 @@ def test_exec_runs_the_plan_and_never_plans_again(tmp_path, monkeypatch):
 
     from launcher.cli import cli
     from launcher.predict import planner
+    from launcher.run import serve
 
     folder = _emitted(tmp_path)
     args = json.loads((tmp_path / "plan.json").read_text())["vllm_args"]
@@ -167,7 +168,8 @@ def test_exec_runs_the_plan_and_never_plans_again(tmp_path, monkeypatch):
     def no_planning(*a, **k):
         raise AssertionError("exec planned again")
 
-    monkeypatch.setattr(planner, "make_plan", no_planning)
+    for module in (planner, serve):  # serve binds make_plan at import
+        monkeypatch.setattr(module, "make_plan", no_planning)
     r = CliRunner().invoke(cli, ["exec", "--plan", folder, "--dry-run", "--no-metrics",
                                  "--format", "json"])
     assert r.exit_code == 0, r.output
@@ -193,3 +195,51 @@ def test_exec_exits_3_when_the_free_memory_no_longer_holds_the_plan(tmp_path, mo
     monkeypatch.setattr(inventory, "detect_hardware", lambda *a, **k: roomy)
     r = CliRunner().invoke(cli, ["exec", "--plan", folder, "--dry-run", "--no-metrics"])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("command", [
+    ["exec", "--plan", "{plan}", "--dry-run", "--no-metrics"],
+    ["exec", "--plan", "{plan}", "--replan", "--dry-run", "--no-metrics"],
+    ["exporter", "--vllm-url", "http://127.0.0.1:1", "--plan", "{plan}"],
+    ["doctor", "{log}", "--plan", "{plan}"],
+])
+def test_bad_plan_json_is_one_line_and_exit_2_for_every_command(tmp_path, command):
+    from click.testing import CliRunner
+
+    from launcher.cli import cli
+
+    folder = _emitted(tmp_path / "good")
+    j = json.loads((tmp_path / "good" / "plan.json").read_text())
+    j["pools"][0]["engine"]["parallel"]["tp"] = "2"
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(j))
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO starting\n")
+    args = [a.format(plan=bad, log=log) for a in command]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 2, (folder, r.output)
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "`pools[0].engine.parallel.tp` is '2'" in lines[0], r.output
+    assert "Traceback" not in r.output
+
+
+def test_replan_plans_for_the_memory_free_now(tmp_path, monkeypatch):
+    from launcher.inputs import inventory
+    from launcher.predict.plan_inputs import inputs_from_plan
+    from launcher.run.emit import load_plan
+    from launcher.run.exec_plan import live_hardware
+
+    dep = load_plan(_emitted(tmp_path))
+    _, planned, _ = inputs_from_plan(dep)
+    busy = dataclasses.replace(planned, free_bytes=planned.free_bytes // 2, source="nvml")
+    monkeypatch.setattr(inventory, "detect_hardware", lambda *a, **k: busy)
+    assert live_hardware(dep, planned) == busy  # the same GPUs, as they are now
+    other = dataclasses.replace(parse_gpus("1xA100-80GB"), source="nvml")
+    monkeypatch.setattr(inventory, "detect_hardware", lambda *a, **k: other)
+    assert live_hardware(dep, planned) == planned  # other GPUs: the plan's own figures
+
+    def no_gpu(*a, **k):
+        raise InputError("no GPU")
+
+    monkeypatch.setattr(inventory, "detect_hardware", no_gpu)
+    assert live_hardware(dep, planned) == planned

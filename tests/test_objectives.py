@@ -131,8 +131,8 @@ def test_bad_workload_input_is_one_line(args, needle):
 
 
 def test_exec_replans_for_the_workload_the_plan_was_made_for(tmp_path):
-    from launcher.cli import goals_from_plan
     from launcher.deployment.codec import load
+    from launcher.run.exec_plan import goals_from_plan
 
     r = CliRunner().invoke(cli, ["plan", "deepseek-r1", "--gpus", "8xH200", "--workload", "rag",
                                  "--slo", "tpot=40ms", "--objective", "latency", "--emit",

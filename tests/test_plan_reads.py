@@ -24,12 +24,9 @@ NOT_A_PLAN = {  # module -> keys it reads from something that is not a plan, and
     "launcher/predict/perf.py": {"max_num_batched_tokens"},  # a calibration point's limits
     "launcher/predict/calibration.py": {"max_num_batched_tokens"},  # the same points
     "launcher/predict/serving.py": {"candidates"},  # the MTP table's draft counts
+    "launcher/run/tune_candidates.py": {"candidates"},  # the same table
 }
-NOT_YET_TYPED = {  # module -> plan keys it still reads from a plan dict (to do)
-    "launcher/run/tune_candidates.py": {"performance", "fits", "max_num_batched_tokens",
-                                        "enforce_eager", "candidates"},
-    "launcher/run/tune_report.py": {"performance"},
-}
+NOT_YET_TYPED: dict[str, set[str]] = {}  # module -> plan keys it still reads (none left)
 
 
 def _schema_keys(node, out: set[str]) -> set[str]:

@@ -159,49 +159,18 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
         sys.exit(rc)
     if replan:
         from ..predict.plan_inputs import inputs_from_plan
+        from ..run.exec_plan import goals_from_plan, live_hardware, relabel_pins
 
         spec, hw, pins = inputs_from_plan(dep)
-        _run_serve(spec, hw, pins, extra, opts, goals_from_plan(dep),
-                   plan_hook=pins_from_plan(dep))
+        _run_serve(spec, live_hardware(dep, hw), pins, extra, opts, goals_from_plan(dep),
+                   plan_hook=relabel_pins(dep))
         return
-    from ..run.exec_check import live_misfit
+    from ..run.exec_plan import live_misfit
 
     if why := live_misfit(dep):
         click.echo(f"vlaunch: {why}", err=True)
         sys.exit(3)
     _run_serve(None, None, _pins(), extra, opts, fixed=dep)
-
-
-def pins_from_plan(dep):
-    """A plan hook for `exec --replan`: it re-plans with every decision of the emitted plan
-    pinned, so the planner would call values it chose itself at `vlaunch plan` time "pinned by
-    you". Only the reasons the emitted plan marked pinned (`data.pinned`) keep that label."""
-    import dataclasses
-
-    user = {r.code for r in dep.reasons if r.data.get("pinned")}
-
-    def relabel(plan):
-        for i, r in enumerate(plan.reasons):
-            if r.data.get("pinned") and r.code not in user:
-                text = (r.text.removesuffix(" (pinned)") + " (from the emitted plan)"
-                        if r.code == "layout" else
-                        r.text.replace("pinned by you", "from the emitted plan"))
-                plan.reasons[i] = dataclasses.replace(r, text=text,
-                                                      data={**r.data, "pinned": False})
-        return plan
-
-    return relabel
-
-
-def goals_from_plan(dep) -> dict | None:
-    """The workload, SLO and objective an emitted plan was made for, so exec re-plans for them."""
-    from ..inputs.workload import SLO, Workload
-
-    if dep.workload is None or dep.slo is None or dep.performance is None:
-        return None
-    w = dep.workload
-    return {"workload": Workload(w.input_len, w.output_len, w.name or "custom", w.assumed),
-            "objective": dep.objective, "slo": SLO(dep.slo.ttft_ms, dep.slo.tpot_ms)}
 
 
 @cli.command("tune")

@@ -1,10 +1,8 @@
-"""Whether an emitted plan still fits the GPUs as they are now, before `exec` starts it.
+"""What `exec` takes from a loaded plan passes the flag table's checks before anything runs.
 
-`exec` runs what the plan says and never plans again (unless asked with --replan): a plan made
-when the cards were free can meet a co-tenant at start-up. vLLM would then refuse to start
-(free < utilization x total, v1/worker/utils.py request_memory) after minutes of loading;
-this says so first, from the plan's per-GPU requested bytes and NVML's free bytes now. And
-every value exec takes from the plan passes the flag table's checks first (`check_exec_plan`).
+A plan.json on a shared volume is text an attacker may have written (issue 31): the codec says
+it is well formed; this says every value that reaches vLLM's argv or a re-plan is one a plan
+may carry (live free memory is `exec_plan.live_misfit`'s question).
 """
 
 from __future__ import annotations
@@ -16,28 +14,6 @@ from ..deployment.argv import engine_argv
 from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs import vllm_flags as F
-from ..inputs.hardware import GiB
-
-
-def live_misfit(dep: Deployment) -> str | None:
-    """One line when the live free memory of this machine's GPUs is below what the plan's
-    engine requests per GPU; None when it fits or cannot be read (no GPU here, a CPU plan)."""
-    if dep.hardware.platform == "cpu" or not dep.fits:
-        return None
-    from ..inputs.inventory import detect_hardware
-
-    try:
-        hw = detect_hardware()
-    except InputError:
-        return None  # nothing readable here: vLLM's own check still applies at start-up
-    need = dep.pool.per_gpu.requested_bytes
-    if hw.free_bytes >= need:
-        return None
-    return (f"the plan's engine requests {need / GiB:.2f} GiB per GPU but only "
-            f"{hw.free_bytes / GiB:.2f} GiB is free now (the plan saw "
-            f"{dep.hardware.free_bytes / GiB:.2f} GiB); free the GPUs, or pass --replan to plan "
-            "again for the memory that is free")
-
 
 _VERSION = re.compile(r"\d{1,4}(\.\d{1,6}){0,3}([.+-][A-Za-z0-9.+-]{1,40})?")
 

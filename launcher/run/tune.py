@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..deployment.codec import load
+from ..deployment.codec import to_json
 from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs.hardware import Hardware
@@ -67,7 +67,7 @@ from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
 from . import tune_acceptance
-from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
+from .emit import atomic_write, emit_plan, startup_deadline_s
 from .exposure import exposure_warning, with_host
 from .loadgen import LoadGenerator
 from .runner import VllmRunner
@@ -289,10 +289,10 @@ class Tuner:
         o = self.opts
         self.doc = {
             "schema": SCHEMA, "vlaunch_version": __version__,
-            "vllm_version": installed_vllm() or baseline.plan.get("vllm_version"),
+            "vllm_version": installed_vllm() or baseline.plan.vllm_version,
             "started_at": utc_now(), "updated_at": utc_now(), "finished_at": None,
             "status": "running",
-            "model": baseline.plan["model"], "gpus": baseline.plan["gpus"],
+            "model": to_json(baseline.plan.model), "gpus": to_json(baseline.plan.hardware),
             "workload": {"input_len": o.workload.input_len, "output_len": o.workload.output_len,
                          "name": o.workload.name},
             "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms,
@@ -470,9 +470,7 @@ class Tuner:
         return 0.0  # nothing known yet: try, with the budget as the start-up deadline
 
     def _startup_deadline(self, t: TrialSpec) -> float:
-        weights = float(t.plan.get("model", {}).get("weights_bytes") or 0)
-        deadline = self.opts.startup_timeout or (STARTUP_SECONDS_BASE
-                                                 + weights / STARTUP_BYTES_PER_SECOND)
+        deadline = self.opts.startup_timeout or startup_deadline_s(t.plan)
         return max(1.0, min(deadline, self.progress.left - STOP_MARGIN_S))
 
     def _run_engine(self, t: TrialSpec, rec: dict[str, Any], rung: int) -> None:
@@ -598,9 +596,8 @@ class Tuner:
             from ..paths import cache_dir
 
             cache_dir().mkdir(parents=True, exist_ok=True)  # record() writes beside it
-            plan = load(t.plan)
-            path = calibration.record(plan, points, f"vlaunch tune {utc_now()}",
-                                      shape_from_plan(plan))
+            path = calibration.record(t.plan, points, f"vlaunch tune {utc_now()}",
+                                      shape_from_plan(t.plan))
         except Exception as e:  # noqa: BLE001 - a calibration problem must not lose the trial
             rec["calibration"] = f"not recorded: {type(e).__name__}: {e}"
             return
@@ -661,7 +658,7 @@ class Tuner:
         spec = self._spec_of(trial)
         if spec is None:  # resumed from a run whose candidates differ: the baseline's plan
             spec = next(iter(self._specs.values()))
-        dep = load(spec.plan)
+        dep = spec.plan
         tuned = json.loads(json.dumps({
             "tune_json": str(self.dir / TUNE_FILE), "trial": rec["trial"],
             "concurrency": rec["concurrency"], "measured": rec["measured"],
@@ -683,7 +680,7 @@ class Tuner:
         return table(self.doc["trials"])
 
     def _plot(self) -> None:
-        def plan_of(trial: dict[str, Any]) -> dict[str, Any] | None:
+        def plan_of(trial: dict[str, Any]) -> Deployment | None:
             spec = self._spec_of(trial)
             return spec.plan if spec else None
 

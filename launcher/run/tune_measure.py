@@ -69,9 +69,8 @@ def max_concurrency(t: TrialSpec, given: int | None) -> int:
     requests queue, and TTFT finds the knee)."""
     if given:
         return given
-    d = t.plan
-    seqs = int(arg_value(t.vllm_args, "max_num_seqs") or d.get("max_num_seqs") or 256)
-    dp = int(d.get("parallel", {}).get("dp", 1))
+    seqs = int(arg_value(t.vllm_args, "max_num_seqs") or t.plan.engine.max_num_seqs)
+    dp = t.plan.engine.parallel.dp
     return max(64, 4 * seqs * dp)
 
 

@@ -11,9 +11,9 @@ import sys
 
 from . import plan_cmd, run_cmd  # noqa: F401 - registers the commands on the group
 from .group import cli, format_option
-from .run_cmd import exec_cmd, goals_from_plan, pins_from_plan
+from .run_cmd import exec_cmd
 
-__all__ = ["cli", "exec_cmd", "format_option", "goals_from_plan", "main", "pins_from_plan"]
+__all__ = ["cli", "exec_cmd", "format_option", "main"]
 
 
 def main() -> None:

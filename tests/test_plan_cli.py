@@ -95,8 +95,8 @@ def test_plan_text_says_what_will_happen_first_and_one_knee(model, gpus):
     from launcher.predict.planner import Pins, make_plan
     from launcher.render import plan_text
 
-    d = make_plan(load_model(model), parse_gpus(gpus), Pins()).to_dict()
-    lines = plan_text(d).splitlines()
+    dep = make_plan(load_model(model), parse_gpus(gpus), Pins()).deployment()
+    lines = plan_text(dep).splitlines()
     heads = [x.strip() for x in lines if x.startswith("  ") and not x.startswith("   ")]
 
     def at(prefix: str) -> int:
@@ -106,10 +106,10 @@ def test_plan_text_says_what_will_happen_first_and_one_knee(model, gpus):
                         at("what would fit:")) if i >= 0]
     assert acts and max(acts) < at("model:") and (at("why:") < 0 or at("why:") > at("model:"))
     text = " ".join(lines)
-    knee = (d.get("performance") or {}).get("knee")
-    if d["fits"] and knee:
-        assert f"knee: {knee['concurrency']:,.0f} in flight" in text
+    knee = dep.performance.knee if dep.performance is not None else None
+    if dep.fits and knee:
+        assert f"knee: {knee.concurrency:,.0f} in flight" in text
         assert "this engine's SLO knee" not in text
-        seqs = d["max_num_seqs"]
-        if seqs * d["parallel"]["dp"] < knee["concurrency"]:
-            assert f"{seqs * d['parallel']['dp']:,} running at max-num-seqs {seqs:,}" in text
+        seqs, dp = dep.engine.max_num_seqs, dep.engine.parallel.dp
+        if seqs * dp < knee.concurrency:
+            assert f"{seqs * dp:,} running at max-num-seqs {seqs:,}" in text

@@ -80,10 +80,10 @@ def test_newer_than_modelled_warns_and_missing_vllm_says_what_it_assumed(monkeyp
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("1xH100")
     plan = make_plan(spec, hw, Pins(vllm_version="9.0.0"))
     newest = caps.table()["newest_modelled_vllm"]
-    assert any("newer than the newest" in w and newest in w for w in plan.warnings)
+    assert any("newer than the newest" in w.text and newest in w.text for w in plan.warnings)
     monkeypatch.setattr(caps, "installed_vllm", lambda: None)
     plan = make_plan(spec, hw, Pins())
-    assert any("assumed (no vLLM is installed" in r for r in plan.reasons)
+    assert any("assumed (no vLLM is installed" in r.text for r in plan.reasons)
 
 
 def test_non_torch_after_the_snapshot_keeps_only_the_per_rank_term():
@@ -164,10 +164,11 @@ def test_the_printed_command_takes_the_form_its_vllm_wants(version, program):
     with --model before it. The plan text prints exactly that command."""
     from launcher.render import plan_text, vllm_command_of
 
-    d = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
-                  Pins(vllm_version=version)).to_dict()
-    argv = vllm_command_of(d)
+    plan = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
+                     Pins(vllm_version=version))
+    dep = plan.deployment()
+    argv = vllm_command_of(dep)
     assert argv[:len(program)] == program
-    assert argv[len(program)] == d["vllm_args"][1] and "--model" not in argv[len(program):]
-    line = next(x for x in plan_text(d).splitlines() if " ".join(program) in x)
+    assert argv[len(program)] == plan.vllm_args()[1] and "--model" not in argv[len(program):]
+    line = next(x for x in plan_text(dep).splitlines() if " ".join(program) in x)
     assert shlex.split(line)[-len(argv):] == argv  # the printed line is that argv, pasteable

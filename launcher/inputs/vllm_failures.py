@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import vllm_flags
 from .vllm_loglines import (
     ARGPARSE_LINE,
     EXCEPTION_LINE,
@@ -148,7 +149,13 @@ class _Hit:
 # Terminal control characters (an escape sequence in a log must not repaint the reader's
 # terminal) and Unicode's bidirectional overrides (they reorder what is shown).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-_SECRET_TEXT = re.compile(r"('(?:api_key|hf_token)':\s*')[^']*'|(--(?:api-key|hf-token)[= ])\S+")
+# The flag table's secrets, as "non-default args" prints them ('api_key': '...') and as a
+# command line gives them, abbreviations argparse accepts included (`--api-ke K`).
+_SECRETS = [f for f in vllm_flags.flags() if f.secret]
+_SECRET_TEXT = re.compile(
+    "('(?:" + "|".join(f.dest for f in _SECRETS) + r")':\s*)(?:\[[^\]]*\]|'[^']*')|(--(?:"
+    + "|".join(re.escape(f.name[2:i]) for f in _SECRETS for i in range(len(f.name), 2, -1))
+    + r")[= ])\S+")
 
 
 def shown(text: str) -> str:
@@ -156,7 +163,7 @@ def shown(text: str) -> str:
     of --api-key and --hf-token (as vLLM's "non-default args" prints them) hidden."""
     text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
                         else f"\\u{ord(m.group()):04x}", text)
-    return _SECRET_TEXT.sub(lambda m: (m.group(1) + "***'") if m.group(1)
+    return _SECRET_TEXT.sub(lambda m: (m.group(1) + "'***'") if m.group(1)
                             else m.group(2) + "***", text)
 
 

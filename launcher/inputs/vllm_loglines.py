@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import vllm_flags
+
 PHASES = ("starting", "loading_weights", "profiling", "kv_cache", "capturing_graphs", "ready",
           "serving")
 
@@ -222,7 +224,10 @@ class Facts:
         with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
             value = ast.literal_eval(self.args_text) if self.args_text else None
             if isinstance(value, dict):
-                return value
+                # a number no flag takes (utilization 1.02, a 1e26 context) is nonsense from a
+                # broken or hostile log: read as absent, so no fix or pin is made from it
+                return {k: v for k, v in value.items()
+                        if vllm_flags.sane_log_value(str(k), v)}
         return {}
 
     def feed(self, content: str) -> None:

@@ -15,24 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..inputs import vllm_flags as F
 from ..inputs.vllm_failures import Diagnosis, Report
 from ..inputs.vllm_loglines import Facts
 from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES, serve_argv
 from ..predict.replan import merge_args
-from ..redact import SECRET_FLAGS
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
 
 # --- fixes from the log alone ------------------------------------------------------------------
 
-_VLAUNCH_PINS = {  # vLLM flag -> vlaunch serve option (plan_options in launcher/cli.py)
-    "--max-model-len": "--max-model-len", "--kv-cache-dtype": "--kv-cache-dtype",
-    "--gpu-memory-utilization": "--gpu-memory-utilization", "--max-num-seqs": "--max-num-seqs",
-    "--max-num-batched-tokens": "--max-num-batched-tokens",
-    "--kv-cache-memory-bytes": "--kv-cache-memory-bytes", "--tensor-parallel-size": "--tp",
-    "--pipeline-parallel-size": "--pp", "--data-parallel-size": "--dp",
-    "--enforce-eager": "--enforce-eager",
-}
+# vLLM flag -> vlaunch serve's pin option (launcher/cli/options.py), for the flags the doctor
+# may suggest (the flag table's safe set).
+_VLAUNCH_PINS = {f.name: f.pin.option for f in F.pins() if f.suggest and f.pin}
 
 
 @dataclass
@@ -61,7 +56,7 @@ def _fix_kv_short(d: Diagnosis, facts: Facts) -> Fix:
     asked = int(n["max_model_len"])
     if "needed" not in n:  # V0's wording: the tokens the cache holds, no GiB
         held = int(n["kv_tokens"])
-        return Fix(["--max-model-len", str(held)],
+        return Fix([F.flag("max_model_len"), str(held)],
                    explain=[f"one request at --max-model-len {asked:,} needs more KV cache than "
                             f"vLLM had: it holds {held:,} tokens", f"{held:,} tokens is the "
                             "longest context that fits (or raise --gpu-memory-utilization)"])
@@ -82,7 +77,7 @@ def _fix_kv_short(d: Diagnosis, facts: Facts) -> Fix:
         why.append(f"or keep {asked:,} tokens with --kv-cache-memory-bytes "
                    f"{_needed_bytes(n, facts):d}, if the device has that much beside the "
                    "weights (`vlaunch doctor LOG MODEL --gpus ...` checks it)")
-    return Fix(["--max-model-len", str(length)], explain=why)
+    return Fix([F.flag("max_model_len"), str(length)], explain=why)
 
 
 def _needed_bytes(n: dict[str, Any], facts: Facts) -> int:
@@ -105,13 +100,13 @@ def _fix_free_memory(d: Diagnosis, facts: Facts) -> Fix:
     if n.get("kv_requested"):
         kv = float(n["kv_requested"])
         size = int(free * 0.9 * (1 << 30))
-        return Fix(["--kv-cache-memory-bytes", str(size)],
+        return Fix([F.flag("kv_cache_memory_bytes"), str(size)],
                    explain=why + [f"the KV cache asked for {_gib(kv)}; 90% of what is free fits"])
     util = _floor2(free / total - 0.01)
     if util <= 0.05:
         return Fix(explain=why + ["too little is free for any utilization: stop the other "
                                   "process or use another GPU"])
-    return Fix(["--gpu-memory-utilization", f"{util:.2f}"],
+    return Fix([F.flag("gpu_memory_utilization"), f"{util:.2f}"],
                explain=why + [f"--gpu-memory-utilization {n.get('util')} asks for "
                               f"{n.get('requested')} GiB; {util:.2f} is "
                               "at most free/total, less 1%", "or free the GPU: nvidia-smi "
@@ -146,11 +141,11 @@ def _fix_no_kv(d: Diagnosis, facts: Facts) -> Fix:
                                   "to overestimate; switch the estimate off, or --enforce-eager"])
     if consumer == "activations":
         tokens = int(f("max_num_batched_tokens") or facts.arg("max_num_batched_tokens") or 8192)
-        return Fix(["--max-num-batched-tokens", str(max(256, tokens // 2))],
+        return Fix([F.flag("max_num_batched_tokens"), str(max(256, tokens // 2))],
                    explain=why + ["the profiling batch's activations are the biggest item; "
                                   "half the prefill token budget halves them"])
     if util < 0.95:
-        return Fix(["--gpu-memory-utilization", f"{min(0.95, util + 0.05):.2f}"],
+        return Fix([F.flag("gpu_memory_utilization"), f"{min(0.95, util + 0.05):.2f}"],
                    explain=why + ["the weights fill the budget; a higher utilization leaves "
                                   "room for KV, more GPUs (--tensor-parallel-size) more so"])
     fix = _more_gpus(facts, "the weights fill the GPU even at a high utilization")
@@ -168,7 +163,7 @@ def _more_gpus(facts: Facts, why: str) -> Fix:
     pp = int(facts.arg("pipeline_parallel_size") or 1)
     text = why.format(world=tp * pp)
     if tp * 2 * pp <= NODE_GPUS:
-        return Fix(["--tensor-parallel-size", str(tp * 2)],
+        return Fix([F.flag("tensor_parallel_size"), str(tp * 2)],
                    explain=[f"{text}; split them over twice the GPUs (if the node has "
                             f"{tp * 2 * pp}) or use a quantized checkpoint"])
     return Fix(explain=[f"{text}, and {tp * 2 * pp} GPUs are more than one node holds: more "
@@ -183,12 +178,12 @@ def _fix_oom(d: Diagnosis, facts: Facts) -> Fix:
         return _more_gpus(facts, "out of memory while loading the weights: they do not fit on "
                                  "{world} GPU(s) beside what else is there")
     if c == "cuda_graphs":
-        return Fix(["--gpu-memory-utilization", f"{_floor2(util - 0.05):.2f}"],
+        return Fix([F.flag("gpu_memory_utilization"), f"{_floor2(util - 0.05):.2f}"],
                    explain=["out of memory while capturing CUDA graphs: the KV cache left too "
                             "little for them; 0.05 less utilization leaves it to the graphs "
                             "(--enforce-eager drops the graphs, slower)"])
     if c == "kv_cache":
-        return Fix(["--gpu-memory-utilization", f"{_floor2(util - 0.05):.2f}"],
+        return Fix([F.flag("gpu_memory_utilization"), f"{_floor2(util - 0.05):.2f}"],
                    explain=["out of memory while allocating the KV cache vLLM had sized: memory "
                             "changed after profiling; ask for 0.05 less"])
     if c == "co_tenant":
@@ -196,14 +191,14 @@ def _fix_oom(d: Diagnosis, facts: Facts) -> Fix:
                             "the GPU; free it or lower --gpu-memory-utilization to free/total"])
     tokens = int(facts.number("max_num_batched_tokens") or facts.arg("max_num_batched_tokens")
                  or 8192)
-    return Fix(["--max-num-batched-tokens", str(max(256, tokens // 2))],
+    return Fix([F.flag("max_num_batched_tokens"), str(max(256, tokens // 2))],
                explain=[f"out of memory in a forward pass ({d.phase}): activations scale with "
                         "the batch's tokens; half the prefill token budget"])
 
 
 def _fix_sampler(d: Diagnosis, facts: Facts) -> Fix:
     reqs = int(d.numbers.get("num_reqs") or facts.arg("max_num_seqs") or 256)
-    return Fix(["--max-num-seqs", str(max(1, reqs // 2))],
+    return Fix([F.flag("max_num_seqs"), str(max(1, reqs // 2))],
                explain=[f"the sampler's warm-up with {reqs} requests ran out of memory; it "
                         "scales with --max-num-seqs"])
 
@@ -213,7 +208,7 @@ def _fix_host_oom(d: Diagnosis, facts: Facts) -> Fix:
            "(RAM or the container's limit) ran out, not GPU memory"]
     if facts.cpu and d.consumer == "kv_cache" and facts.arg("kv_cache_memory_bytes"):
         half = int(facts.arg("kv_cache_memory_bytes")) // 2
-        return Fix(["--kv-cache-memory-bytes", str(half)],
+        return Fix([F.flag("kv_cache_memory_bytes"), str(half)],
                    explain=why + ["on the CPU backend the KV cache lives in RAM: half of it"])
     return Fix(explain=why + ["raise the container's memory limit or load fewer shards at "
                               "once; no vLLM flag changes what the weights need"])
@@ -221,13 +216,13 @@ def _fix_host_oom(d: Diagnosis, facts: Facts) -> Fix:
 
 def _fix_kv_dtype(d: Diagnosis, facts: Facts) -> Fix:
     dtype = d.numbers.get("dtype") or facts.arg("kv_cache_dtype") or "fp8"
-    return Fix(["--kv-cache-dtype", "auto"],
+    return Fix([F.flag("kv_cache_dtype"), "auto"],
                explain=[f"no attention kernel here takes a {dtype} KV cache; auto stores it in "
                         "the model's dtype (half the tokens of fp8)"])
 
 
 def _fix_bad_kv_dtype(d: Diagnosis, facts: Facts) -> Fix:
-    return Fix(["--kv-cache-dtype", "auto"],
+    return Fix([F.flag("kv_cache_dtype"), "auto"],
                explain=[f"'{d.numbers.get('dtype')}' is not a KV cache dtype vLLM knows; "
                         "auto is the model's dtype (fp8 halves the KV bytes where supported)"])
 
@@ -236,14 +231,14 @@ def _fix_port(d: Diagnosis, facts: Facts) -> Fix:
     port = facts.arg("port")
     start = int(port) + 1 if isinstance(port, int) else 8001
     free = next_free_port(start)
-    return Fix(["--port", str(free)],
+    return Fix([F.flag("port"), str(free)],
                explain=[f"port {port if port is not None else 8000} is taken by another "
                         f"process; {free} was free on this machine when diagnosed"])
 
 
 def _fix_max_len(d: Diagnosis, facts: Facts) -> Fix:
     n = d.numbers
-    return Fix(["--max-model-len", str(n["derived"])],
+    return Fix([F.flag("max_model_len"), str(n["derived"])],
                explain=[f"the model's config allows {int(n['derived']):,} tokens "
                         f"({n['key']}); {int(n['asked']):,} was asked"])
 
@@ -258,7 +253,7 @@ def _fix_timeout(d: Diagnosis, facts: Facts) -> Fix:
 def _fix_tp(d: Diagnosis, facts: Facts) -> Fix:
     heads, tp = int(d.numbers["heads"]), int(d.numbers["tp"])
     ok = max(t for t in (1 << i for i in range(tp.bit_length())) if t <= tp and heads % t == 0)
-    return Fix(["--tensor-parallel-size", str(ok)],
+    return Fix([F.flag("tensor_parallel_size"), str(ok)],
                explain=[f"{heads} attention heads do not split over {tp} GPUs; {ok} is the "
                         "largest power of two below that divides them"])
 
@@ -290,7 +285,7 @@ def _fix_nccl_shm(d: Diagnosis, facts: Facts) -> Fix:
 
 
 def _fix_nccl_p2p(d: Diagnosis, facts: Facts) -> Fix:
-    return Fix(["--disable-custom-all-reduce"], env={"NCCL_P2P_DISABLE": "1"}, explain=[
+    return Fix([F.flag("disable_custom_all_reduce")], env={"NCCL_P2P_DISABLE": "1"}, explain=[
         "the GPUs cannot map each other's memory (peer access: no NVLink/PCIe P2P between them, "
         "IOMMU or ACS on, or a VM that hides it); NCCL_P2P_DISABLE=1 makes NCCL go through "
         "host memory and --disable-custom-all-reduce stops vLLM's own P2P all-reduce",
@@ -404,29 +399,21 @@ def apply_log_fixes(report: Report) -> None:
         d.vllm_command = vllm_command_from_log(report.facts, fix.args, fix.env)
 
 
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _log_args(facts: Facts) -> list[str]:
-    """vLLM's flags of the failed run, from its "non-default args" (model first)."""
-    out: list[str] = []
-    for key, value in facts.args.items():
-        if key in ("model", "model_tag", "port"):
-            continue  # the model goes first; vlaunch serve picks a free port unless fixed
-        if key in SECRET_ARGS:  # never replay a secret from the log: name its variable
-            out += [flag_of(key), _SECRET_MARK + SECRET_ARGS[key]]
-        elif value is True:
-            out.append(flag_of(key))
-        elif isinstance(value, (str, int, float)) and value is not False:
-            out += [flag_of(key), str(value)]
-    return out
+    """vLLM's flags of the failed run, from its "non-default args", as far as the flag table
+    lets the doctor suggest them: a log is anyone's text, and a `run:` line that copied its
+    --trust-remote-code, --tool-parser-plugin /tmp/x.py, --allowed-local-media-path / or
+    --host 0.0.0.0 would have the reader run them (issue 31 M3). The model goes first; the port
+    is left to vlaunch serve (a free one unless fixed); a secret is named by its variable. The
+    layout's expert parallelism and MTP config are kept (checked values, part of what ran)."""
+    rest = {k: v for k, v in facts.args.items() if k not in ("model", "model_tag", "port")}
+    return F.from_log_args(rest, keep=("enable_expert_parallel", "speculative_config"))
 
 
 # vLLM arguments whose values are secrets (as "non-default args" names them), and the
-# environment variable a command reads instead: launcher.redact's one list.
-SECRET_ARGS = {flag[2:].replace("-", "_"): env for flag, env in SECRET_FLAGS.items()}
-_SECRET_MARK = "\0env:"
+# environment variable a command reads instead: the flag table's secrets.
+SECRET_ARGS = {f.dest: str(f.secret_env) for f in F.flags() if f.secret}
+_SECRET_MARK = F.SECRET_MARK
 
 
 def shell_join(words: list[str]) -> str:
@@ -451,7 +438,7 @@ def vllm_command_from_log(facts: Facts, fix_args: list[str], env: dict[str, str]
     model = facts.model
     if not model or not (fix_args or env):
         return None
-    argv = serve_argv(facts.version, ["--model", str(model),
+    argv = serve_argv(facts.version, [F.flag("model"), str(model),
                                       *_override(_log_args(facts), fix_args)])
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return (prefix + " " if prefix else "") + shell_join(argv)
@@ -478,8 +465,8 @@ def _split_pins(args: list[str]) -> tuple[list[str], list[str]]:
         name = args[i]
         value = [args[i + 1]] if i + 1 < len(args) and not args[i + 1].startswith("--") else []
         i += 1 + len(value)
-        if name == "--served-model-name":
+        if name == F.flag("served_model_name"):
             continue  # vlaunch serve names the model after its folder
-        target = pins if name in _VLAUNCH_PINS or name == "--port" else rest
+        target = pins if name in _VLAUNCH_PINS or name == F.flag("port") else rest
         target += [_VLAUNCH_PINS.get(name, name), *value]
     return pins, rest

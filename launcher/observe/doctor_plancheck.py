@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..deployment.plan import Deployment
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
 from ..inputs.vllm_failures import Diagnosis, Report, to_failure
@@ -28,9 +30,10 @@ from ..predict.capabilities import (
     serve_argv,
     version_traits,
 )
-from ..predict.planner import Pins, inputs_from_plan, make_plan
+from ..predict.plan_inputs import inputs_from_plan
+from ..predict.planner import Pins, make_plan
 from ..predict.replan import replan_pins
-from .doctor_logfix import flag_of, shell_join, vllm_command_from_log
+from .doctor_logfix import shell_join, vllm_command_from_log
 
 # --- fixes checked by the planner --------------------------------------------------------------
 
@@ -48,11 +51,11 @@ class PlanContext:
     source: str = "model"  # "model" (MODEL --gpus), "plan" (--plan) or "log" (what it says)
 
 
-def context_from_plan(d: dict[str, Any]) -> PlanContext:
-    """Model, hardware and pins of an emitted plan.json (as `vlaunch exec` rebuilds them)."""
+def context_from_plan(d: Deployment) -> PlanContext:
+    """Model, hardware and pins of an emitted plan (as `vlaunch exec --replan` rebuilds them)."""
     spec, hw, pins = inputs_from_plan(d)
-    g = d["gpus"]
-    gpus = "cpu" if g["platform"] == "cpu" else f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}"
+    g = d.hardware
+    gpus = "cpu" if g.platform == "cpu" else f"{g.nodes}x{g.gpus_per_node}x{g.name}"
     return PlanContext(spec, hw, pins, make_plan(spec, hw, pins), gpus, source="plan")
 
 
@@ -111,15 +114,14 @@ def _offline() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = before
 
 
-# The failed launch's vLLM arguments ("non-default args") that are planner pins.
-_ARG_PINS = {"max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
-             "kv_cache_dtype": "kv_cache_dtype", "tensor_parallel_size": "tp",
-             "pipeline_parallel_size": "pp", "data_parallel_size": "dp",
-             "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-             "kv_cache_memory_bytes": "kv_cache_memory_bytes", "enforce_eager": "enforce_eager",
-             "enable_expert_parallel": "expert_parallel"}
-_FLAG_PINS = {flag_of(k): v for k, v in _ARG_PINS.items()}
-_FLAG_PINS.update({"--tp": "tp", "--pp": "pp", "--dp": "dp"})
+# The failed launch's vLLM arguments ("non-default args") that are planner pins: the flag
+# table's pins the doctor may suggest, by dest, and by every spelling (--tensor-parallel-size,
+# -tp, vlaunch's --tp); expert parallelism is read (a layout fact of what ran), never suggested.
+_SUGGESTED = tuple(f for f in F.pins() if f.suggest and f.pin)
+_READ = (*_SUGGESTED, F.BY_DEST["enable_expert_parallel"])
+_ARG_PINS = {f.dest: f.pin.field for f in _READ if f.pin}
+_FLAG_PINS = {n: f.pin.field for f in _READ if f.pin for n in (*f.names, f.pin.option)}
+_PIN_KIND = {f.pin.field: f.kind for f in _READ if f.pin}
 # Every decision a fix may change, and its vLLM flag: `fix:` names each one that differs from
 # the failed launch, `run:` pins every one.
 DECISIONS = (("tp", "--tensor-parallel-size"), ("pp", "--pipeline-parallel-size"),
@@ -130,7 +132,7 @@ DECISIONS = (("tp", "--tensor-parallel-size"), ("pp", "--pipeline-parallel-size"
              ("max_num_seqs", "--max-num-seqs"),
              ("max_num_batched_tokens", "--max-num-batched-tokens"),
              ("enforce_eager", "--enforce-eager"))
-_VLAUNCH_OPTIONS = {"tp": "--tp", "pp": "--pp", "dp": "--dp"}  # the rest: vLLM's own name
+_VLAUNCH_OPTIONS = {f.pin.field: f.pin.option for f in _READ if f.pin}  # -> vlaunch option
 
 
 def launch_pins(ctx: PlanContext, facts: Facts) -> Any:
@@ -198,11 +200,12 @@ def _with_flags(pins: Any, args: list[str]) -> Any | None:
         i += 2 if value is not None else 1
         if pin is None:
             return None
-        if pin in ("enforce_eager", "expert_parallel"):
+        kind = _PIN_KIND[pin]
+        if kind == F.SWITCH:
             changes[pin] = not off
-        elif pin == "gpu_memory_utilization":
+        elif kind == F.FLOAT:
             changes[pin] = float(value or 0)
-        elif pin == "kv_cache_dtype":
+        elif kind == F.STR:
             changes[pin] = value
         else:
             changes[pin] = int(value or 0)
@@ -214,7 +217,9 @@ def _failure_of(d: Diagnosis) -> Any:
     return to_failure(d)
 
 
-_LAYOUT_FREE = {"tp": None, "pp": None, "dp": None, "expert_parallel": None}
+# A layout fix re-chooses TP, PP and DP on these GPUs; expert parallelism stays as it ran
+# (the flag table keeps it out of the doctor's suggestions).
+_LAYOUT_FREE = {"tp": None, "pp": None, "dp": None}
 
 
 def _candidates(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> Iterator[
@@ -367,9 +372,6 @@ def _planner_disagrees(report: Report, failed: Any) -> None:
             d.explain.append(why)
 
 
-_MORE_GPUS = re.compile(r"^more GPUs: (\S+) fits")
-
-
 def _beyond_these_gpus(ctx: PlanContext, pins: Any, failed: Any) -> list[str]:
     """Nothing fits these GPUs with the launch's settings: what the planner says would (its
     `what would fit` for this launch: more nodes with the multi-node plan, another GPU, a
@@ -383,22 +385,20 @@ def _beyond_these_gpus(ctx: PlanContext, pins: Any, failed: Any) -> list[str]:
            "would fit, as `vlaunch plan` says:"]
     model = ctx.spec.path or ctx.spec.hf_id or ctx.spec.name
     for idea in ideas:
-        m = _MORE_GPUS.match(idea)
-        gpus = m.group(1) if m else ""
+        gpus = str(idea.data.get("gpus", "")) if idea.code == "suggest.more_gpus" else ""
         if gpus.count("x") >= 2:  # NODESxGPUSxKIND: the multi-node plan
             how = (f" (`vlaunch plan {shlex.quote(model)} --gpus {gpus} --emit DIR`, then "
                    "`vlaunch exec --plan DIR` on each node)")
         else:
             how = f" (`vlaunch serve {shlex.quote(model)} --gpus {gpus}`)" if gpus else ""
-        out.append(f"{idea}{how}")
+        out.append(f"{idea.text}{how}")
     return out
 
 
 def _vllm_command_of_plan(plan: Any, env: dict[str, str]) -> str:
     """The checked plan's own vLLM command (no log arguments to start from)."""
-    d = plan.to_dict()
-    words = serve_argv(d.get("vllm_version"), list(d["vllm_args"]))
-    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**d["env"], **env}.items())
+    words = serve_argv(plan.vllm_version, list(plan.vllm_args()))
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**plan.env(), **env}.items())
     return (prefix + " " if prefix else "") + shell_join(words)
 
 
@@ -408,21 +408,21 @@ def _fits(plan: Any) -> bool:
     where a planner release takes the pin on trust."""
     if not plan.fits:
         return False
-    d = plan.to_dict()
-    g = d["per_gpu"]
-    used = sum(g.get(k, 0) for k in ("weights_bytes", "activation_bytes", "cudagraph_bytes",
-                                      "non_torch_bytes", "kv_cache_bytes"))
-    return plan.hardware.is_cpu or used <= d["gpus"]["total_bytes"]
+    dep = plan.deployment()
+    g = dep.pool.per_gpu
+    used = (g.weights_bytes + g.activation_bytes + g.cudagraph_bytes + g.non_torch_bytes
+            + g.kv_cache_bytes)
+    return plan.hardware.is_cpu or used <= dep.hardware.total_bytes
 
 
 def _problem(plan: Any) -> str:
     if not plan.fits:
         return plan.chosen.problem
-    d = plan.to_dict()
-    g = d["per_gpu"]
-    return (f"the pinned KV cache ({g['kv_cache_bytes'] / (1 << 30):.1f} GiB) and weights "
-            f"({g['weights_bytes'] / (1 << 30):.1f} GiB) exceed the "
-            f"{d['gpus']['total_bytes'] / (1 << 30):.1f} GiB card")
+    dep = plan.deployment()
+    g = dep.pool.per_gpu
+    return (f"the pinned KV cache ({g.kv_cache_bytes / (1 << 30):.1f} GiB) and weights "
+            f"({g.weights_bytes / (1 << 30):.1f} GiB) exceed the "
+            f"{dep.hardware.total_bytes / (1 << 30):.1f} GiB card")
 
 
 _ALTERNATIVE = re.compile(r"--kv-cache-memory-bytes (\d+)")

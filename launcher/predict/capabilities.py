@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 from ..inputs.hardware import GiB, Hardware
 from ..paths import (
     cache_dir,
@@ -94,7 +95,7 @@ def serve_argv(version: str | None, args: list[str]) -> list[str]:
     since #25967), else `python -m vllm.entrypoints.openai.api_server --model MODEL ...`."""
     if version is not None and not version_traits(version).has("serve_cli"):
         return ["python", "-m", API_SERVER_MODULE, *args]
-    rest = args[1:] if args[:1] == ["--model"] and len(args) > 1 else args
+    rest = args[1:] if args[:1] == [F.flag("model")] and len(args) > 1 else args
     return ["vllm", "serve", *rest]
 
 

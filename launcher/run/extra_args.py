@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 from ..predict.planner import Pins
-from .vllmargs import arg_value
+from .vllmargs import drop_flag
 
-PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
-                  ("pp", ("--pipeline-parallel-size", "-pp")),
-                  ("dp", ("--data-parallel-size", "-dp")))
+PARALLEL_FLAGS = (("tp", "tensor_parallel_size"), ("pp", "pipeline_parallel_size"),
+                  ("dp", "data_parallel_size"))
 """vLLM flags that change how many GPUs an engine needs: after `--` they are pins for the
 planner, never passed through behind its back (issue 13, item 7)."""
 
@@ -24,18 +24,18 @@ def parallel_flags(extra: list[str]) -> dict[str, tuple[str, int]]:
     """{pin: (flag as given, value)} for the layout flags in `extra`; InputError when a value
     is not a positive whole number."""
     found: dict[str, tuple[str, int]] = {}
-    for key, names in PARALLEL_FLAGS:
-        for name in names:
-            raw = arg_value(extra, name)
-            if raw is None:
-                continue
-            try:
-                value = int(raw)
-            except ValueError:
-                value = 0
-            if value < 1:
-                raise InputError(f"{name} {raw!r} after --: expected a whole number >= 1")
-            found[key] = (name, value)
+    parsed = F.parse(extra)
+    for key, dest in PARALLEL_FLAGS:
+        if dest not in parsed.values:
+            continue
+        raw, name = parsed.values[dest], parsed.given[dest]
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            value = 0
+        if value < 1:
+            raise InputError(f"{name} {raw!r} after --: expected a whole number >= 1")
+        found[key] = (name, value)
     return found
 
 
@@ -51,26 +51,9 @@ def pins_from_extra(pins: Pins, extra: list[str]) -> tuple[Pins, list[str], list
             raise InputError(f"--{key} {mine} (pinned) and {name} {value} after -- disagree; "
                              "give one")
         pins = dataclasses.replace(pins, **{key: value})
-        for _, names in PARALLEL_FLAGS:
-            if name in names:
-                for n in names:
+        for _, dest in PARALLEL_FLAGS:
+            if F.spec_of(name) is F.BY_DEST[dest]:
+                for n in F.BY_DEST[dest].names:
                     extra = drop_flag(extra, n)
         notes.append(f"{name} {value} after -- is a pin (--{key} {value}); planned with it")
     return pins, extra, notes
-
-
-def drop_flag(args: list[str], name: str) -> list[str]:
-    """`args` without flag `name` (`--name V`, `--name=V` or a bare `--name`)."""
-    out, skip = [], False
-    for a in args:
-        if skip and not a.startswith("--"):
-            skip = False
-            continue
-        skip = False
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
@@ -62,7 +63,7 @@ from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
 from . import tune_acceptance
-from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
+from .emit import atomic_write, emit_plan, startup_deadline_s
 from .exposure import exposure_warning, with_host
 from .loadgen import LoadGenerator
 from .runner import VllmRunner
@@ -120,7 +121,7 @@ def parse_candidate(text: str) -> list[str]:
         raise InputError(f"malformed --candidate {shown!r}: {e}") from None
     if not args or not args[0].startswith("--"):
         raise InputError(f"--candidate {shown!r}: give vLLM flags, e.g. \"--max-num-seqs 16\"")
-    if arg_value(args, "--model") or arg_value(args, "--port"):
+    if arg_value(args, "model") or arg_value(args, "port"):
         raise InputError("--candidate must not set --model or --port (tune sets them)")
     if flags := secret_flags(args):
         # A secret is no tuning knob, and a candidate's flags are printed and saved in
@@ -439,9 +440,7 @@ class Tuner:
         return 0.0  # nothing known yet: try, with the budget as the start-up deadline
 
     def _startup_deadline(self, t: TrialSpec) -> float:
-        weights = float(t.plan.get("model", {}).get("weights_bytes") or 0)
-        deadline = self.opts.startup_timeout or (STARTUP_SECONDS_BASE
-                                                 + weights / STARTUP_BYTES_PER_SECOND)
+        deadline = self.opts.startup_timeout or startup_deadline_s(t.plan)
         return max(1.0, min(deadline, self.progress.left - STOP_MARGIN_S))
 
     def _run_engine(self, t: TrialSpec, rec: dict[str, Any], rung: int) -> None:
@@ -453,11 +452,11 @@ class Tuner:
         self.progress.line(f"start {n}/{self.opts.max_starts} (rung {rung}): {t.name}")
         if self.opts.verbose:
             self.progress.line("  vllm " + shlex.join(redact_args(t.vllm_args)))
-        if arg_value(t.vllm_args, "--host") and (warning := exposure_warning(t.vllm_args,
+        if arg_value(t.vllm_args, "host") and (warning := exposure_warning(t.vllm_args,
                                                                               t.env)):
             self.progress.line(f"  {warning}")
         env: dict[str, str | None] = dict(t.env)
-        if arg_value(t.vllm_args, "--kv-cache-memory-bytes"):
+        if arg_value(t.vllm_args, "kv_cache_memory_bytes"):
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would replace the pinned bytes
         runner = self.runner_factory(
             list(t.vllm_args), env, log_path=log_path, startup_timeout=self._startup_deadline(t),
@@ -603,8 +602,8 @@ class Tuner:
         self.out(f"  why: {rec['why']}")
         self.out(f"  {self.dir / TUNE_FILE}; run it: vlaunch exec --plan "
                  f"{self.dir / 'plan.json'}" + (
-                     " -- " + shlex.join(redact_args(plan["tuned"]["extra_args"]))
-                     if plan["tuned"].get("extra_args") else ""))
+                     " -- " + shlex.join(redact_args(list(plan.tuned["extra_args"])))
+                     if plan.tuned and plan.tuned.get("extra_args") else ""))
         if self.opts.plot:
             self._plot()
 
@@ -616,7 +615,7 @@ class Tuner:
         return table(self.doc["trials"])
 
     def _plot(self) -> None:
-        def plan_of(trial: dict[str, Any]) -> dict[str, Any] | None:
+        def plan_of(trial: dict[str, Any]) -> Deployment | None:
             spec = self._spec_of(trial)
             return spec.plan if spec else None
 

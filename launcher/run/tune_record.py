@@ -9,12 +9,15 @@ flags and is retried), tested without an engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..deployment.codec import to_json
+from ..deployment.plan import Deployment
 from ..errors import InputError
 from .emit import atomic_write
 from .tune_candidates import TrialSpec
@@ -57,10 +60,10 @@ class TuneRecord:
 
         self.doc = {
             "schema": SCHEMA, "vlaunch_version": __version__,
-            "vllm_version": installed_vllm() or baseline.plan.get("vllm_version"),
+            "vllm_version": installed_vllm() or baseline.plan.vllm_version,
             "started_at": utc_now(), "updated_at": utc_now(), "finished_at": None,
             "status": "running",
-            "model": baseline.plan["model"], "gpus": baseline.plan["gpus"],
+            "model": to_json(baseline.plan.model), "gpus": to_json(baseline.plan.hardware),
             "workload": {"input_len": o.workload.input_len, "output_len": o.workload.output_len,
                          "name": o.workload.name},
             "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms,
@@ -110,7 +113,7 @@ class TuneRecord:
             f"{k['goodput_rps']:.2f} req/s goodput; --resume measures it again")
         return True
 
-    def recommended_plan(self, rec: dict[str, Any], specs: dict[str, TrialSpec]) -> dict[str, Any]:
+    def recommended_plan(self, rec: dict[str, Any], specs: dict[str, TrialSpec]) -> Deployment:
         """The plan that `vlaunch exec --plan` runs: the planner's own plan of the chosen
         candidate (exec re-plans from its fields), with what was measured beside it."""
         trial = next(r for r in self.doc["trials"] if r["name"] == rec["trial"]
@@ -118,13 +121,16 @@ class TuneRecord:
         spec = specs.get(trial["key"])
         if spec is None:  # resumed from a run whose candidates differ: the baseline's plan
             spec = next(iter(specs.values()))
-        plan = json.loads(json.dumps(spec.plan))
-        plan["tuned"] = {"tune_json": str(self.dir / TUNE_FILE), "trial": rec["trial"],
-                         "concurrency": rec["concurrency"], "measured": rec["measured"],
-                         "slo": self.doc["slo"], "workload": self.doc["workload"],
-                         "extra_args": trial["pins"].get("extra_args", [])}
-        perf = plan.get("performance")
-        if isinstance(perf, dict):
-            perf["measured"] = {"source": "measured", "concurrency": rec["concurrency"],
-                                **rec["measured"]}
-        return plan
+        dep = spec.plan
+        tuned = json.loads(json.dumps({
+            "tune_json": str(self.dir / TUNE_FILE), "trial": rec["trial"],
+            "concurrency": rec["concurrency"], "measured": rec["measured"],
+            "slo": self.doc["slo"], "workload": self.doc["workload"],
+            "extra_args": trial["pins"].get("extra_args", [])}))
+        perf = dep.performance
+        if perf is not None:
+            perf = dataclasses.replace(perf, measured=json.loads(json.dumps(
+                {"source": "measured", "concurrency": rec["concurrency"], **rec["measured"]})))
+            pools = (dataclasses.replace(dep.pool, performance=perf), *dep.pools[1:])
+            dep = dataclasses.replace(dep, performance=perf, pools=pools)
+        return dataclasses.replace(dep, tuned=tuned)

@@ -324,7 +324,7 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
         return  # nothing the planner decides (a port, a missing module): no plan to make
     pins = launch_pins(ctx, report.facts)
     failed = _plan(ctx, pins)
-    if failed is not None and not failed.fits and _loaded(report):
+    if failed is not None and _weights_misfit(failed) and _loaded(report):
         _planner_disagrees(report, failed)
         return
     for d in report.diagnoses:
@@ -354,6 +354,14 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
         else:
             d.explain = refused + d.explain + _beyond_these_gpus(ctx, pins, failed)
             d.fix_args, d.serve_command, d.vllm_command = [], None, None
+
+
+def _weights_misfit(plan: Any) -> bool:
+    """The planner says the weights and their overhead alone exceed what vLLM may use (no KV
+    cache or context could fit): candidates.py's "weights X GiB + overhead ..." verdict."""
+    c = plan.chosen
+    return not plan.fits and c.requested - c.weights - c.activation - c.cudagraph \
+        - c.non_torch <= 0
 
 
 def _loaded(report: Report) -> bool:

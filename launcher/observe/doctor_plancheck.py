@@ -384,7 +384,8 @@ def _beyond_these_gpus(ctx: PlanContext, pins: Any, failed: Any) -> list[str]:
     """Nothing fits these GPUs with the launch's settings: what the planner says would (its
     `what would fit` for this launch: more nodes with the multi-node plan, another GPU, a
     quantized checkpoint or a smaller model), each with the command that plans it."""
-    plan = _plan(ctx, dataclasses.replace(pins, **_LAYOUT_FREE)) or failed
+    # the whole layout free, expert parallelism too: this is the plan's answer, not a fix flag
+    plan = _plan(ctx, dataclasses.replace(pins, **_LAYOUT_FREE, expert_parallel=None)) or failed
     ideas = list(plan.suggestions) if plan is not None else []
     if not ideas:
         return ["vlaunch's planner found no fix that fits this model on this hardware with "

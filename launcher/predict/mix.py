@@ -132,22 +132,22 @@ def plan_mix(spec: ModelSpec, rps: float, buckets: list[Bucket], gpus: list[str]
     best = min((g for g in gpus if singles[g] is not None),
                key=lambda g: singles[g] * hourly[g], default=None)
     n, x = solve(gpus, buckets, rates, loads, hourly)
-    monthly = sum(n[g] * hourly[g] for g in gpus) * HOURS_PER_MONTH
-    best_monthly = singles[best] * hourly[best] * HOURS_PER_MONTH if best else None
+    best_monthly = round(singles[best] * hourly[best] * HOURS_PER_MONTH) if best else None
     total = sum(loads)
     pools = [{"gpus": g, "replicas": n[g],
               "share": round(sum(x[g][j] * loads[j] for j in range(len(buckets))) / total, 4),
               "buckets": [round(x[g][j], 4) for j in range(len(buckets))],
               "monthly_usd": round(n[g] * hourly[g] * HOURS_PER_MONTH)}
              for g in gpus if n[g] > 0]
+    monthly = sum(p["monthly_usd"] for p in pools)  # the pools' own figures, summed
     return {"buckets": [{"input_len": b.input_len, "output_len": b.output_len,
                          "share": round(b.share, 4)} for b in buckets],
             "per_replica_requests_per_s": {g: [round(r, 3) for r in rates[g]] for g in gpus},
-            "pools": pools, "monthly_usd": round(monthly),
+            "pools": pools, "monthly_usd": monthly,
             "best_single": ({"gpus": best, "replicas": singles[best],
-                             "monthly_usd": round(best_monthly)} if best else None),
-            "saving_vs_best_single_usd": (round(best_monthly - monthly) if best_monthly
-                                          is not None else None),
+                             "monthly_usd": best_monthly} if best else None),
+            "saving_vs_best_single_usd": (best_monthly - monthly if best_monthly is not None
+                                          else None),
             "solver": "HiGHS MILP (scipy.optimize.milp)", "routing": ROUTING}
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
-from ..inputs.hardware import GiB, Hardware, MiB
+from ..inputs.hardware import GiB, Hardware, MiB, kinds
 from ..inputs.model import ModelSpec, Quant
 from ..inputs.workload import (
     SLO,
@@ -632,13 +632,31 @@ def _brief(plan: Plan) -> str:
             f"{c.concurrency:.1f} concurrent")
 
 
+def other_gpus(spec: ModelSpec, hw: Hardware, pins: Pins, most: int = 3) -> list[str]:
+    """Other data-centre GPUs one node of which holds the model (DeepSeek-V3 misses 8xH100,
+    8xH200 fits), cheapest replica at list price first, each with its plan and price."""
+    need, found = B.weights_bytes(spec) * B.checkpoint_scale(spec), []
+    for k in kinds():
+        n = next((n for n in k.node_sizes if k.total_bytes * n * 0.85 > need), 0)
+        if not k.datacenter or k.name == hw.kind.name or not n:
+            continue
+        plan = _try(spec, Hardware(k, 1, n, k.total_bytes, k.total_bytes), pins)
+        p = k.price_for(n)
+        if plan:
+            found.append((p.usd_per_hour * n if p else math.inf, f"another GPU: {n}x{k.name} "
+                          f"fits ({_brief(plan)}), " + (f"list ${p.usd_per_hour:.2f}/GPU-hour "
+                                                        f"({p.source}, {p.date})" if p else
+                                                        "no list price")))
+    return [line for _, line in sorted(found, key=lambda t: t[0])[:most]]
+
+
 def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
     """Ranked alternatives that do fit, each with its own numbers."""
     out: list[str] = []
     free_pins = dataclasses.replace(pins, tp=None, pp=None, dp=None)
     if not hw.is_cpu:
-        per_node = max(hw.gpus_per_node, 8) if hw.gpus_per_node < 8 else hw.gpus_per_node
-        options = [(1, n) for n in (2, 4, 8) if hw.nodes == 1 and hw.gpus_per_node < n <= per_node]
+        per_node = max(hw.gpus_per_node, hw.kind.max_per_node)
+        options = [(1, n) for n in hw.kind.node_sizes if hw.nodes == 1 and hw.gpus_per_node < n]
         options += [(n, per_node) for n in (2, 3, 4) if n > hw.nodes]
         for nodes, gpn in options:
             bigger = dataclasses.replace(hw, nodes=nodes, gpus_per_node=gpn)
@@ -648,6 +666,8 @@ def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
                 out.append(f"more GPUs: {layout} fits ({_brief(plan)})"
                            + (" across nodes" if nodes > 1 else ""))
                 break
+    if not hw.is_cpu:
+        out += other_gpus(spec, hw, free_pins)
     if pins.max_model_len:
         relaxed = make_plan(spec, hw, dataclasses.replace(pins, max_model_len=None),
                             suggest=False)

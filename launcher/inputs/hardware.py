@@ -100,7 +100,7 @@ class Hardware:
     gpus_per_node: int
     total_bytes: int
     free_bytes: int
-    source: str = "spec"  # spec | nvml | system
+    source: str = "spec"  # spec | nvml | amdsmi | system
     notes: tuple[str, ...] = field(default=())
     devices: tuple = field(default=())  # inventory devices, when read through NVML
     cuda_total_bytes: int | None = None  # CUDA's total when a log says it (else derived)

@@ -249,13 +249,13 @@ def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
     if pins.gpu_memory_utilization is not None:
         u = pins.gpu_memory_utilization
         reasons.append(f"gpu-memory-utilization {u:.2f}: pinned by you")
-        if hw.source == "nvml" and u > ceiling:
+        if hw.source in ("nvml", "amdsmi") and u > ceiling:
             warnings.append(f"only {hw.free_bytes / GiB:.1f} GiB of {hw.total_bytes / GiB:.1f} GiB "
                             f"is free: vLLM's start-up check needs free >= {u:.2f} x total; "
                             f"{ceiling:.2f} would pass")
         return u
     u = traits.default_gpu_memory_utilization
-    if hw.source == "nvml" and ceiling < u:
+    if hw.source in ("nvml", "amdsmi") and ceiling < u:
         reasons.append(f"gpu-memory-utilization {ceiling:.2f}: lowered from vLLM's default {u:.2f} "
                        f"because only {hw.free_bytes / GiB:.1f} GiB of "
                        f"{hw.total_bytes / GiB:.1f} GiB is free (vLLM refuses to start when "

@@ -85,7 +85,8 @@ def module(gpus: list[ScriptAMD], links: dict[frozenset, int] | None = None,
                 "device_id": "0x74a1"}
 
     def amdsmi_get_gpu_device_uuid(h):
-        return gpu(h, "amdsmi_get_gpu_device_uuid").uuid or f"{h:02x}ff74a1-0000-1000-80f0-00000000000{h}"
+        g = gpu(h, "amdsmi_get_gpu_device_uuid")
+        return g.uuid or f"{h:02x}ff74a1-0000-1000-80f0-{h:012x}"
 
     def amdsmi_get_gpu_device_bdf(h):
         return gpu(h, "amdsmi_get_gpu_device_bdf").bdf

@@ -67,7 +67,7 @@ def test_hip_visible_devices_selects_and_orders(monkeypatch):
     use(monkeypatch, module(mi300x_node()))
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "5,2")
     inv = inventory.read_inventory()
-    assert [d.index for d in inv.devices] == [5, 2] and [d.cuda_index for d in inv.devices] == [0, 1]
+    assert [(d.index, d.cuda_index) for d in inv.devices] == [(5, 0), (2, 1)]
     assert inv.hidden == 6 and inv.visibility == "HIP_VISIBLE_DEVICES=5,2"
 
 

@@ -100,3 +100,17 @@ def test_gpus_command_on_amd(monkeypatch):
     assert schema_errors("gpus", d) == [] and d["platform"] == "rocm"
     r = CliRunner().invoke(cli, ["gpus"])
     assert r.exit_code == 0 and "ROCm" in r.output and "MI300X" in r.output
+
+
+def test_rocm_plans_set_what_rocm_vllm_leaves_off():
+    # vLLM's ROCm default runs without AITER (vllm/envs.py VLLM_ROCM_USE_AITER False); the plan
+    # turns it on and says why; a CUDA plan is untouched.
+    spec = load_model("deepseek-r1")
+    from launcher.inputs.hardware import parse_gpus
+
+    amd = make_plan(spec, parse_gpus("8xMI300X"), Pins(vllm_version="0.32.0")).to_dict()
+    assert amd["env"]["VLLM_ROCM_USE_AITER"] == "1"
+    assert any("VLLM_ROCM_USE_AITER=1" in r and "envs.py" in r for r in amd["reasons"])
+    nv = make_plan(spec, parse_gpus("8xH200"), Pins(vllm_version="0.32.0")).to_dict()
+    assert "VLLM_ROCM_USE_AITER" not in nv["env"]
+    assert not any("AITER" in r for r in nv["reasons"])

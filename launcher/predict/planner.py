@@ -46,6 +46,7 @@ from .capabilities import (
     default_vllm_version,
     fp8_kv_support,
     gate_reason,
+    platform_env,
     version_traits,
 )
 from .perfplan import FP8_MARGIN
@@ -133,7 +134,7 @@ class Plan:
                 env["VLLM_CACHE_ROOT"] = root
         if self.serving is not None:
             env.update(self.serving.env())
-        return env
+        return env | platform_env(self.hardware, self.model.attention)[0]
 
     def to_dict(self) -> dict[str, Any]:
         c, L, hw, m = self.chosen, self.chosen.layout, self.hardware, self.model
@@ -313,6 +314,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     reasons: list[str] = []
     warnings: list[str] = list(hw.notes)
     _version_notes(spec, pins, traits, reasons, warnings)
+    reasons += platform_env(hw, spec.attention)[1]  # ROCm: where its vLLM defaults differ
     if spec.commit:
         where = {"hf-cache": "the local HF cache", "vlaunch-cache": "vlaunch's cache of the Hub",
                  "hub": "the Hub"}.get(spec.source, spec.source)
@@ -638,15 +640,13 @@ def other_gpus(spec: ModelSpec, hw: Hardware, pins: Pins, most: int = 3) -> list
     need, found = B.weights_bytes(spec) * B.checkpoint_scale(spec), []
     for k in kinds():
         n = next((n for n in k.node_sizes if k.total_bytes * n * 0.85 > need), 0)
-        if not k.datacenter or k.name == hw.kind.name or not n:
-            continue
-        plan = _try(spec, Hardware(k, 1, n, k.total_bytes, k.total_bytes), pins)
-        p = k.price_for(n)
+        plan = (_try(spec, Hardware(k, 1, n, k.total_bytes, k.total_bytes), pins)
+                if k.datacenter and k.name != hw.kind.name and n else None)
         if plan:
+            p = k.price_for(n)
             found.append((p.usd_per_hour * n if p else math.inf, f"another GPU: {n}x{k.name} "
                           f"fits ({_brief(plan)}), " + (f"list ${p.usd_per_hour:.2f}/GPU-hour "
-                                                        f"({p.source}, {p.date})" if p else
-                                                        "no list price")))
+                          f"({p.source}, {p.date})" if p else "no list price")))
     return [line for _, line in sorted(found, key=lambda t: t[0])[:most]]
 
 

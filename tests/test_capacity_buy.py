@@ -101,7 +101,12 @@ def test_at_load_is_the_queue_model_arithmetic():
 def test_users_are_a_closed_loop_without_a_queue():
     o = run(users=500)["options"][0]
     assert o["at_load"]["queue_wait_ms"] == 0
-    assert 0 < o["at_load"]["utilization"] <= 1
+    assert 0 < o["at_load"]["utilization"] < 1
+    knee = int(o["per_replica"]["knee_concurrency"])
+    for users in (knee - 1, knee, knee + 1, 2 * knee, 3 * knee):  # exactly at the knee: 2
+        o = run(users=users, headroom=0.0)["options"][0]
+        assert o["at_load"]["utilization"] < 1
+        assert o["replicas"] == users // knee + 1
 
 
 # ----------------------------------------------------------------------------- shapes

@@ -192,6 +192,8 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
         return opt
     want = (load.users if load.users is not None else load.rps) * (1 + headroom)
     active = max(1, math.ceil(want / per - 1e-9))
+    if load.users is not None and load.users / active >= per:
+        active += 1  # a replica holding its knee's users is 100% busy: never planned
     opt.replicas = active + spare
     opt.at_load = at_load(a.shape, workload, knee, load, active)
     if load.users is not None:

@@ -218,8 +218,11 @@ def render_mix(m: dict[str, Any], cols: int = 100) -> list[str]:
                      for b in m["buckets"])
     lines = [f"mix for the length histogram (in/out x share: {hist}):"]
     for p in m["pools"]:
-        lines.append(f"  {p['replicas']} x {p['gpus']}: {p['share']:.0%} of requests, "
-                     f"${p['monthly_usd']:,.0f}/month")
+        serves = ", ".join(f"{b['input_len']:,}/{b['output_len']:,}"
+                           + (f" ({x:.0%})" if x < 0.9995 else "")
+                           for b, x in zip(m["buckets"], p["buckets"], strict=True) if x > 5e-4)
+        lines.append(f"  {p['replicas']} x {p['gpus']}: {p['share']:.0%} of requests "
+                     f"(serves {serves}), ${p['monthly_usd']:,.0f}/month")
     best = m["best_single"]
     lines.append(f"  mix ${m['monthly_usd']:,.0f}/month"
                  + (f"; best single type {best['replicas']} x {best['gpus']} "

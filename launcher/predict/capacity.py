@@ -118,7 +118,7 @@ def default_options(spec: ModelSpec) -> list[list[str]]:
                 and holds(kind, 2 * kind.max_per_node, spec):
             shapes = [f"2x{kind.max_per_node}x{kind.name}"]
         if shapes:
-            out.append(shapes[:3])  # the smallest three that hold it: bigger only costs more
+            out.append(shapes[:2])  # the smallest two that hold it: bigger only costs more
     return out
 
 

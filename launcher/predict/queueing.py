@@ -71,11 +71,11 @@ def mgc(rate: float, servers: int, capacity_rps: float, cs2: float = SERVICE_CS2
 
 
 def max_rate(servers: int, capacity_rps: float, wait_budget_s, cs2: float = SERVICE_CS2,
-             steps: int = 60) -> float:
+             steps: int = 40) -> float:
     """The largest arrival rate whose queue meets `wait_budget_s(queue) >= queue.wait_s`:
     `wait_budget_s` maps a Queue to the wait it may have (the SLO's TTFT less the prefill at
     that load). Bisection over (0, capacity): the wait grows with the rate, the budget does
-    not; 60 halvings reach 1e-18 of the capacity. 0 when even a trickle misses."""
+    not; 40 halvings reach 1e-12 of the capacity. 0 when even a trickle misses."""
     lo, hi = 0.0, capacity_rps
     if mgc(capacity_rps * 1e-9, servers, capacity_rps, cs2).wait_s > wait_budget_s(
             mgc(capacity_rps * 1e-9, servers, capacity_rps, cs2)):

@@ -129,6 +129,18 @@ def test_catalog_shapes_are_the_ones_sold():
                 assert f"{p.gpus}x{kind.name}" in kind.replica_shapes(), kind.name
 
 
+def test_a_datacenter_gpu_must_say_how_it_is_sold():
+    from launcher.profile_check import problems
+
+    row = {"total_mib": 1000, "datacenter": True}
+    assert any("node" in p for p in problems({"gpus": {"X": row}}, "gpus"))
+    row["node"] = {"sizes": [8], "nvlink_domain": 8}
+    row["prices"] = [{"gpus": 8, "usd_per_hour": 1.0, "source": "s", "date": "2026-01"}]
+    assert problems({"gpus": {"X": row}}, "gpus") == []
+    row["prices"][0]["usd_per_hour"] = 0
+    assert problems({"gpus": {"X": row}}, "gpus")
+
+
 def test_plans_refuse_a_node_that_does_not_exist():
     r = CliRunner().invoke(cli, ["plan", "llama-3.1-70b", "--gpus", "4xGH200"])
     assert r.exit_code == 2 and "2x2xGH200" in r.output
@@ -172,7 +184,7 @@ def test_price_per_shape_and_its_source(tmp_path: Path):
     f = tmp_path / "p.yaml"
     f.write_text("prices:\n  - {gpu: GH200, gpus: 2, usd_per_hour: 3.1, source: deal, "
                  "date: '2026-11'}\n  - {gpu: h100, usd_per_hour: 2.2, source: ours, "
-                 "date: '2026-11-02'}\n")
+                 "date: 2026-11-02}\n")
     book = read_prices_file(str(f))
     assert book.price(gh, 2).usd_per_hour == 3.1 and "deal" in book.price(gh, 2).source
     assert book.price(hardware.gpu_kind("H100"), 8).usd_per_hour == 2.2

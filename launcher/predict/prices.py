@@ -9,6 +9,7 @@ as more certain than its price.
 
 from __future__ import annotations
 
+import datetime
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,10 @@ def read_prices_file(path: str) -> PriceBook:
         where = f" at line {mark.line + 1}" if mark else ""
         raise InputError(f"--prices {path}: not YAML{where}; see "
                          f"{SCHEMAS / 'prices.json'} for its shape") from None
+    rows = data.get("prices") if isinstance(data, dict) else None
+    for row in rows if isinstance(rows, list) else ():
+        if isinstance(row, dict) and isinstance(row.get("date"), datetime.date):
+            row["date"] = row["date"].isoformat()  # YAML reads 2026-11-02 unquoted as a date
     found = problems(data, "prices")
     if found:
         raise InputError(f"--prices {path}: {found[0]}; see {SCHEMAS / 'prices.json'} for "

@@ -410,27 +410,16 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     book.flat.update(parse_prices(prices))
     if lengths_file and not mix:
         raise InputError("--lengths is for --mix: add --mix, or give --input-len/--output-len")
-    if mix and rps is None:
-        raise InputError("--mix sizes an open-loop rate: pass --rps R (not --users)")
-    buckets = None
+    spec = load_model(model, revision)
+    args = (spec, load, goals["workload"], goals["slo"], options or None, book, headroom, spare,
+            _pins(max_model_len=max_model_len, vllm_version=vllm_version,
+                  speculative=speculative))
     if mix:
         from .predict import mix as mixing
 
-        buckets = (mixing.buckets_from_file(lengths_file) if lengths_file else
-                   [mixing.Bucket(goals["workload"].input_len, goals["workload"].output_len,
-                                  1.0)])
-    spec = load_model(model, revision)
-    pins = _pins(max_model_len=max_model_len, vllm_version=vllm_version,
-                 speculative=speculative)
-    if mix:
-        options = mixing.mix_options(spec, options, book)
-        if lengths_file:
-            goals["workload"] = mixing.mean_workload(buckets)
-    d = capacity.plan_capacity(spec, load, goals["workload"], goals["slo"], options or None,
-                               book, headroom, spare, pins, objective=goals["objective"])
-    if mix:
-        d["mix"] = mixing.plan_mix(spec, float(rps), buckets, options, goals["slo"], pins,
-                                   book, headroom, goals["objective"])
+        d = mixing.plan_capacity_mix(*args, objective=goals["objective"], lengths=lengths_file)
+    else:
+        d = capacity.plan_capacity(*args, objective=goals["objective"])
     if plot_path:
         from .plot import capacity_plot
 

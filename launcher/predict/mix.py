@@ -32,7 +32,7 @@ from ..errors import InputError
 from ..inputs.hardware import gpu_kind, parse_gpus
 from ..inputs.model import ModelSpec
 from ..inputs.workload import PRESETS, SLO, Workload
-from .capacity import HOURS_PER_MONTH, Load, evaluate_option, holds
+from .capacity import HOURS_PER_MONTH, Load, evaluate_option, holds, plan_capacity
 from .planner import Pins
 from .prices import PriceBook
 
@@ -108,6 +108,26 @@ def mix_options(spec: ModelSpec, gpus: list[str], book: PriceBook) -> list[str]:
     if len(set(out)) < 2:
         raise InputError("--mix needs at least two GPU types: --gpus A,B,...")
     return out
+
+
+def plan_capacity_mix(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
+                      gpus: list[str] | None, book: PriceBook, headroom: float, spare: int,
+                      pins: Pins, *, objective: str = "balanced",
+                      lengths: str | None = None) -> dict[str, Any]:
+    """`capacity --mix`: each type's single-type answer for the histogram's mean lengths (the
+    table), and under `mix` the cheapest fleet of those types for the histogram itself."""
+    if load.rps is None:
+        raise InputError("--mix sizes an open-loop rate: pass --rps R (not --users)")
+    buckets = (buckets_from_file(lengths) if lengths else
+               [Bucket(workload.input_len, workload.output_len, 1.0)])
+    options = mix_options(spec, gpus or [], book)
+    if lengths:
+        workload = mean_workload(buckets)
+    d = plan_capacity(spec, load, workload, slo, options, book, headroom, spare, pins,
+                      objective=objective)
+    d["mix"] = plan_mix(spec, float(load.rps), buckets, options, slo, pins, book, headroom,
+                        objective)
+    return d
 
 
 def plan_mix(spec: ModelSpec, rps: float, buckets: list[Bucket], gpus: list[str], slo: SLO,

@@ -100,9 +100,9 @@ def _r(x: float | None, nd: int = 0) -> float | None:
 
 
 def holds(kind: GPUKind, gpus: int, spec: ModelSpec) -> bool:
-    """Whether `gpus` of `kind` can hold the weights with room for a KV cache (85% of memory:
-    vLLM's default 0.9 utilisation less activations): the coarse filter before a plan."""
-    return kind.total_bytes * gpus * 0.85 > B.weights_bytes(spec) * B.checkpoint_scale(spec)
+    """Whether `gpus` of `kind` can hold the weights with room for a KV cache: the coarse
+    filter before a plan (budget.holds_roughly)."""
+    return B.holds_roughly(spec, kind.total_bytes, gpus)
 
 
 def default_options(spec: ModelSpec) -> list[list[str]]:

@@ -637,9 +637,9 @@ def _brief(plan: Plan) -> str:
 def other_gpus(spec: ModelSpec, hw: Hardware, pins: Pins, most: int = 3) -> list[str]:
     """Other data-centre GPUs one node of which holds the model (DeepSeek-V3 misses 8xH100,
     8xH200 fits), cheapest replica at list price first, each with its plan and price."""
-    need, found = B.weights_bytes(spec) * B.checkpoint_scale(spec), []
+    found: list[tuple[float, str]] = []
     for k in kinds():
-        n = next((n for n in k.node_sizes if k.total_bytes * n * 0.85 > need), 0)
+        n = next((n for n in k.node_sizes if B.holds_roughly(spec, k.total_bytes, n)), 0)
         plan = (_try(spec, Hardware(k, 1, n, k.total_bytes, k.total_bytes), pins)
                 if k.datacenter and k.name != hw.kind.name and n else None)
         if plan:

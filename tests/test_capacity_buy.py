@@ -330,3 +330,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, args, needle):
     assert r.exit_code == 2, r.output
     assert needle in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_nothing_in_the_catalog_holds_it_is_does_not_fit(monkeypatch):
+    monkeypatch.setattr(capacity, "holds", lambda kind, gpus, spec: False)
+    r = CliRunner().invoke(cli, ["capacity", "llama-3.1-70b", "--users", "5"])
+    assert r.exit_code == 2 and "does not fit" in r.output
+    assert len(r.output.strip().splitlines()) == 1

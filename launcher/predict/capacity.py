@@ -271,8 +271,9 @@ def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
     book = prices if isinstance(prices, PriceBook) else PriceBook(flat=dict(prices or {}))
     groups = [[g] for g in gpus] if gpus else default_options(spec)
     if not groups:
-        raise InputError(f"no catalog GPU holds {spec.name}'s "
-                         f"{B.weights_bytes(spec) / GiB:.0f} GiB in up to 16 GPUs; pass --gpus")
+        raise InputError(f"{spec.name} does not fit: no catalog GPU holds its "
+                         f"{B.weights_bytes(spec) / GiB:.0f} GiB in one or two nodes (an NVL72 "
+                         "domain's 16 trays); pass --gpus with more nodes, e.g. 4x8xH200")
 
     def cost(o: Option) -> tuple:
         return (o.replicas is None, o.monthly_usd is None,

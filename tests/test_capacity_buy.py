@@ -243,8 +243,9 @@ def test_does_not_fit_is_not_a_missed_slo():
 def test_plan_alternatives_name_another_gpu_that_fits_with_its_price():
     r = CliRunner().invoke(cli, ["plan", "deepseek-v3", "--gpus", "8xH100", "--format", "json"])
     d = json.loads(r.output)
-    other = [s for s in d["suggestions"] if s.startswith("another GPU")]
-    assert any("8xH200" in s and "$4.29/GPU-hour" in s for s in other), d["suggestions"]
+    other = [s for s in d["suggestions"] if s["code"] == "suggest.other_gpu"]
+    assert any(s["data"]["gpus"] == "8xH200" and "$4.29/GPU-hour" in s["text"]
+               for s in other), d["suggestions"]
 
 
 # ----------------------------------------------------------------------------- the mix

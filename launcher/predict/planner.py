@@ -256,7 +256,9 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     reasons: list[Reason] = []
     warnings: list[Reason] = [Reason("hardware.note", n) for n in hw.notes]
     _version_notes(spec, pins, traits, reasons, warnings)
-    reasons += platform_env(hw, spec.attention)[1]  # ROCm: where its vLLM defaults differ
+    # ROCm: where its vLLM defaults differ from what its recipes run
+    env_set, why_env = platform_env(hw, spec.attention)
+    reasons += [Reason("platform_env", text, {"env": dict(env_set)}) for text in why_env]
     if spec.commit:
         where = {"hf-cache": "the local HF cache", "vlaunch-cache": "vlaunch's cache of the Hub",
                  "hub": "the Hub"}.get(spec.source, spec.source)

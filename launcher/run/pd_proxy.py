@@ -230,7 +230,7 @@ class PDProxy:
         self.host, self.port = host, port
         self.limits = limits or Limits()
         self.server_port = 0
-        self.served = 0  # completions relayed (for tests and the summary)
+        self.served = 0  # completions prefilled and handed to decode
         self._open = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -264,8 +264,11 @@ class PDProxy:
             loop.run_forever()
         finally:
             self._server.close()
+            tasks = asyncio.all_tasks(loop)
+            for t in tasks:  # clients still connected: end them before the loop goes
+                t.cancel()
             with contextlib.suppress(Exception):
-                loop.run_until_complete(self._server.wait_closed())
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             loop.close()
 
     def shutdown(self) -> None:
@@ -317,8 +320,8 @@ class PDProxy:
         request_id = req.headers.get("x-request-id") or str(uuid.uuid4())
         kv_params = await self._prefill(path, body, request_id)
         payload = json.dumps(decode_body(body, kv_params)).encode()
+        self.served += 1  # prefilled and handed to decode
         await self._relay(self.decode, "POST", path, payload, request_id, writer)
-        self.served += 1
 
     async def _prefill(self, path: str, body: dict[str, Any], request_id: str) -> Any:
         hop = _Hop(self.prefill, self.limits)

@@ -29,9 +29,11 @@ this module only composes them:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from ..inputs.hardware import Hardware
 from ..inputs.workload import SLO, Workload
 from .perf import EngineShape, decode_step_s, prompt_s, running_limit
 
@@ -173,3 +175,15 @@ def best_split(p: PrefillPool, d: DecodePool, w: Workload, slo: SLO, xfer: Trans
             if best is None or key > (best.requests_per_s / best.gpus, -best.gpus):
                 best = sp
     return best
+
+
+def pool_hardware(hw: Hardware) -> Hardware:
+    """One pool's share of `hw` when a prefill and a decode pool split it evenly: half the
+    nodes, or half of one node's GPUs; on the CPU engine, half the host's memory (both engines
+    allocate their KV cache from it)."""
+    if hw.is_cpu:
+        return dataclasses.replace(hw, total_bytes=hw.total_bytes // 2,
+                                   free_bytes=hw.free_bytes // 2)
+    if hw.nodes > 1:
+        return dataclasses.replace(hw, nodes=hw.nodes // 2)
+    return dataclasses.replace(hw, gpus_per_node=max(1, hw.gpus_per_node // 2))

@@ -19,7 +19,7 @@ import pytest
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = " ".join(f"word{i}" for i in range(150))
+PROMPT = " ".join(f"word{i}" for i in range(100))  # 391 tokens with the tiny tokenizer
 SMALL_CONFIG = {  # a local model folder for the fake engine (it loads nothing)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -71,6 +71,17 @@ def _external_hits(port: int) -> float:
     return float(m.group(1))
 
 
+def _hits_after(port: int, before: float, timeout: float = 15.0) -> float:
+    """vLLM records a step's prefix-cache stats beside the answer, not before it: wait for
+    the counter to move (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = _external_hits(port)
+        if now > before or time.monotonic() > deadline:
+            return now - before
+        time.sleep(0.3)
+
+
 def _stop_and_check(proc: subprocess.Popen, timeout: float) -> None:
     family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     assert len(family) >= 3  # vlaunch and two engines (with their children)
@@ -98,7 +109,7 @@ def test_fake_engines_serve_through_the_proxy_and_stop_together(tmp_path):
         out = _complete(port, "small")
         assert out["choices"][0]["text"] == " x x x x"
         # the decode engine loaded this prompt's KV (and the smoke prompt's); prefill none
-        assert _external_hits(dec) >= 150
+        assert _hits_after(dec, 0.0) >= 100
         assert _external_hits(pre) == 0
         _stop_and_check(proc, 30)
     finally:
@@ -138,9 +149,13 @@ def test_two_cpu_engines_move_the_prompts_kv(tiny_model, tmp_path):
         before = _external_hits(dec)
         out = _complete(port, tiny_model.name)
         prompt_tokens = out["usage"]["prompt_tokens"]
-        loaded = _external_hits(dec) - before
-        # ExampleConnector loads whole 16-token blocks: all but the prompt's last partial block
-        assert prompt_tokens - 16 <= loaded <= prompt_tokens, (loaded, prompt_tokens)
+        loaded = _hits_after(dec, before)
+        # ExampleConnector (vLLM 0.32, v1/example_connector.py) loads whole 16-token blocks of
+        # the prompt less its last token: align_to_block_size(n - 1) = (n - 2) // 16 * 16.
+        # Its store key is align_to_block_size(n) = (n - 1) // 16 * 16: the two differ, and
+        # nothing loads, when n = 1 (mod 16) (641 tokens were seen to miss): the prompt avoids it.
+        assert prompt_tokens % 16 != 1, prompt_tokens
+        assert loaded == (prompt_tokens - 2) // 16 * 16, (loaded, prompt_tokens)
         assert _external_hits(pre) == 0  # the prefill engine computed, it loaded nothing
         _stop_and_check(proc, 120)
     finally:

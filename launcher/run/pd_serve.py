@@ -10,7 +10,10 @@ that dies takes the other down with it (exit 1): a half deployment serves nobody
 
 The connector: NixlConnector on GPUs (the production path llm-d deploys); on the CPU engine
 ExampleConnector, which moves KV through a folder both engines share (vLLM's NIXL CPU path
-needs the `nixl` wheel, which this project does not install).
+needs the `nixl` wheel, which this project does not install). ExampleConnector is vLLM's
+example, not a product: in 0.32 it stores a prompt under its first (n - 1) // 16 * 16 tokens and
+looks it up under (n - 2) // 16 * 16, so a prompt of n = 1 (mod 16) tokens is recomputed on the
+decode engine rather than loaded (v1/example_connector.py align_to_block_size).
 """
 
 from __future__ import annotations

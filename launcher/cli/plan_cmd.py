@@ -208,6 +208,15 @@ def _fit(text: str) -> str:
 @click.option("--price", "prices", multiple=True,
               help="Price per GPU-hour, e.g. H200=3.50 (repeatable); default: catalog list "
                    "prices, dated and sourced.")
+@click.option("--prices", "prices_file", type=click.Path(dir_okay=False),
+              help="YAML of your prices per GPU-hour by GPU and shape, with source and date "
+                   "(launcher/schemas/profiles/prices.json); --price wins over it.")
+@click.option("--mix", is_flag=True,
+              help="Find the cheapest combination of the --gpus types for the load (needs "
+                   "--rps), each serving the lengths it is cheapest for (an ILP).")
+@click.option("--lengths", "lengths_file", type=click.Path(dir_okay=False),
+              help="With --mix: a YAML prompt/output length histogram "
+                   "(launcher/schemas/profiles/lengths.json); default: the workload's lengths.")
 @click.option("--headroom", type=float, default=0.2, show_default=True,
               help="Spare capacity as a fraction of the load.")
 @click.option("--spare", type=int, default=0, show_default=True,
@@ -222,7 +231,8 @@ def _fit(text: str) -> str:
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
 def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float | None,
                  gpu_options: tuple[str, ...],
-                 prices: tuple[str, ...], headroom: float, spare: int,
+                 prices: tuple[str, ...], prices_file: str | None, mix: bool,
+                 lengths_file: str | None, headroom: float, spare: int,
                  max_model_len: int | None, vllm_version: str | None,
                  speculative: bool | None, fmt: str, plot_path: str | None, **kw) -> None:
     """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s).
@@ -234,18 +244,26 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
 
     from ..inputs.model import load_model
     from ..predict import capacity
+    from ..predict.prices import PriceBook, parse_prices, read_prices_file
 
     goals = split_goals(kw)
     load = capacity.Load(users=users, rps=rps)
     load.validate()
     options = [g.strip() for item in gpu_options for g in item.split(",") if g.strip()]
-    price_map = capacity.parse_prices(prices)
+    book = read_prices_file(prices_file) if prices_file else PriceBook()
+    book.flat.update(parse_prices(prices))
+    if lengths_file and not mix:
+        raise InputError("--lengths is for --mix: add --mix, or give --input-len/--output-len")
     spec = load_model(model, revision)
-    d = capacity.plan_capacity(spec, load, goals["workload"], goals["slo"], options or None,
-                               price_map, headroom, spare,
-                               _pins(max_model_len=max_model_len, vllm_version=vllm_version,
-                                     speculative=speculative),
-                               objective=goals["objective"])
+    args = (spec, load, goals["workload"], goals["slo"], options or None, book, headroom, spare,
+            _pins(max_model_len=max_model_len, vllm_version=vllm_version,
+                  speculative=speculative))
+    if mix:
+        from ..predict import mix as mixing
+
+        d = mixing.plan_capacity_mix(*args, objective=goals["objective"], lengths=lengths_file)
+    else:
+        d = capacity.plan_capacity(*args, objective=goals["objective"])
     if plot_path:
         from ..plot import capacity_plot
 
@@ -256,6 +274,8 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
         from .. import term
 
         click.echo(capacity.render(d, term.width()))
+        if mix:
+            click.echo("\n".join(mixing.render_mix(d["mix"], term.width())))
     if d["recommended"] is None:
         raise NotFitError(capacity.miss_message(d))
 

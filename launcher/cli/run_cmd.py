@@ -91,9 +91,13 @@ def _stop_timeout(opts: dict) -> float:
 @revision_option
 @plan_options
 @_serve_options
+@click.option("--disaggregate", type=click.Choice(["on", "off"]), default="off",
+              show_default=True,
+              help="on: a prefill and a decode engine on this machine, each on half of it, "
+                   "behind a P/D proxy on --port.")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(model: str, revision: str | None, gpus: str | None, extra: tuple[str, ...],
-              **kw) -> None:
+              disaggregate: str, **kw) -> None:
     """Plan MODEL, start vLLM on the plan, verify it, recover, and keep it serving.
 
     Arguments after `--` go to vLLM; a flag given there replaces the plan's (reported), and
@@ -105,7 +109,24 @@ def serve_cmd(model: str, revision: str | None, gpus: str | None, extra: tuple[s
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     goals = split_goals(kw)
     spec = load_model(model, revision)
+    if disaggregate == "on":
+        _run_disaggregated(spec, _hardware(gpus), _pins(**kw), extra, opts)
     _run_serve(spec, _hardware(gpus), _pins(**kw), extra, opts, goals)
+
+
+def _run_disaggregated(spec, hw, pins, extra, opts) -> None:
+    from pathlib import Path
+
+    from ..run.pd_serve import serve_disaggregated
+
+    log_dir = Path(opts["log_dir"])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rc = serve_disaggregated(spec, hw, pins, list(extra), port=opts["port"], host=opts["host"],
+                             log_dir=log_dir, dry_run=opts["dry_run"],
+                             startup_timeout=opts["startup_timeout"],
+                             stop_timeout=_stop_timeout(opts),
+                             out=lambda s: click.echo(s, err=opts["fmt"] == "json"))
+    sys.exit(rc)
 
 
 @cli.command("exec")

@@ -124,14 +124,10 @@ _FLAG_PINS = {n: f.pin.field for f in _READ if f.pin for n in (*f.names, f.pin.o
 _PIN_KIND = {f.pin.field: f.kind for f in _READ if f.pin}
 # Every decision a fix may change, and its vLLM flag: `fix:` names each one that differs from
 # the failed launch, `run:` pins every one.
-DECISIONS = (("tp", "--tensor-parallel-size"), ("pp", "--pipeline-parallel-size"),
-             ("dp", "--data-parallel-size"), ("expert_parallel", "--enable-expert-parallel"),
-             ("max_model_len", "--max-model-len"), ("kv_cache_dtype", "--kv-cache-dtype"),
-             ("gpu_memory_utilization", "--gpu-memory-utilization"),
-             ("kv_cache_memory_bytes", "--kv-cache-memory-bytes"),
-             ("max_num_seqs", "--max-num-seqs"),
-             ("max_num_batched_tokens", "--max-num-batched-tokens"),
-             ("enforce_eager", "--enforce-eager"))
+DECISIONS = tuple((F.BY_DEST[dest].pin.field, F.flag(dest)) for dest in (  # type: ignore[union-attr]
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+    "enable_expert_parallel", "max_model_len", "kv_cache_dtype", "gpu_memory_utilization",
+    "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enforce_eager"))
 _VLAUNCH_OPTIONS = {f.pin.field: f.pin.option for f in _READ if f.pin}  # -> vlaunch option
 
 
@@ -481,7 +477,8 @@ def serve_command_from_pins(ctx: PlanContext, pins: Any, env: dict[str, str]) ->
         option = _VLAUNCH_OPTIONS.get(name, flag)
         if name == "expert_parallel":
             if value is not None and ctx.spec.is_moe:  # a dense model has no experts
-                args.append("--expert-parallel" if value else "--no-expert-parallel")
+                option = _VLAUNCH_OPTIONS["expert_parallel"]  # the table's negatable pin
+                args.append(option if value else f"--no-{option[2:]}")
         elif value is True:
             args.append(option)
         elif value is not None and value is not False:

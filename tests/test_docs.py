@@ -1,0 +1,88 @@
+"""README.md and docs/ quote the tool as it is today: every console block's output is what its
+command prints now, every prose figure is in that output, every other `vlaunch` line shown
+parses (bench/docs_refresh.py; docs/docs.md says how). Each distinct command runs once per
+session (about 25 s in all on 2 cores, most of it `bench/perf_bench.py`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import docs_refresh  # noqa: E402 - bench/, not the package
+
+DOCS = docs_refresh.doc_files()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch():
+    yield
+    import shutil
+
+    shutil.rmtree(docs_refresh.sandbox(), ignore_errors=True)
+    docs_refresh.sandbox.cache_clear()
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name if p.parent.name != "kubernetes"
+                                            else "kubernetes/README.md" for p in DOCS])
+def test_doc_is_current(path: Path) -> None:
+    bad = list(docs_refresh.problems(docs_refresh.parse(path)))
+    assert not bad, ("\n".join(bad) + f"\nrefresh with: {docs_refresh.REFRESH}, then read the "
+                     "diff (a figure or a sentence may need a new word)")
+
+
+def test_every_doc_shows_a_live_command_or_is_prose() -> None:
+    """The docs that quote the tool quote it through console blocks: README's plan sample, the
+    capacity example and the napkin's memory figures are live, not pasted."""
+    docs = {p.name: docs_refresh.parse(p) for p in DOCS if p.parent.name != "kubernetes"}
+    assert any(c.text.startswith("vlaunch plan deepseek-v3 --gpus 8xH200")
+               for c in docs["README.md"].commands)
+    texts = [c.text for c in docs["capacity.md"].commands]
+    assert sum("vlaunch capacity" in t for t in texts) == 2
+    assert len(docs["capacity.md"].figures) >= 8
+    assert len(docs["README.md"].path.read_text()) <= 15_000
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "doc.md"
+    p.write_text(text)
+    return p
+
+
+def test_stale_output_and_figure_are_found_then_refreshed(tmp_path: Path) -> None:
+    """A block whose output changed is reported with its doc line and command; the refresh puts
+    today's output in and moves the prose figure with it (52.6 -> 53.86, the napkin's case)."""
+    doc = _write(tmp_path, "# t\n\nKV per GPU: `52.6` GiB.\n\n```console\n"
+                 "$ echo 'K=KV cache 53.86'; echo 'A=activations 0.45'\nK=KV cache 52.6\n"
+                 "A=activations 0.8\n```\n")
+    bad = list(docs_refresh.problems(docs_refresh.parse(doc)))
+    assert any(":6:" in b and "K=KV cache 52.6" in b and "53.86" in b for b in bad), bad
+    assert any(":3:" in b and "`52.6`" in b for b in bad), bad
+    new = docs_refresh.refresh(docs_refresh.parse(doc))
+    assert "KV per GPU: `53.86` GiB." in new and "A=activations 0.45" in new
+    doc.write_text(new)
+    assert list(docs_refresh.problems(docs_refresh.parse(doc))) == []
+
+
+def test_failing_command_unknown_option_and_make_target_are_found(tmp_path: Path) -> None:
+    doc = _write(tmp_path, "# t\n\n```console\n$ exit 3\n```\n\n```\n"
+                 "vlaunch plan MODEL --gpus 8xH200 --no-such-flag   # a synopsis\n"
+                 "vlaunch serve MODEL --dry-run -- --any-vllm-flag 1\n"
+                 "make no-such-target\nmake docs\n```\n")
+    bad = list(docs_refresh.problems(docs_refresh.parse(doc)))
+    assert any(":4:" in b and "exits 3" in b for b in bad), bad
+    assert any(":8:" in b and "--no-such-flag" in b for b in bad), bad
+    assert any(":10:" in b and "no-such-target" in b for b in bad), bad
+    assert len(bad) == 3, bad  # --gpus, --dry-run, what follows `--` and `make docs` pass
+
+
+def test_indented_block_keeps_its_indent(tmp_path: Path) -> None:
+    doc = _write(tmp_path, "# t\n\n1. item\n\n   ```console\n   $ echo a; echo b\n   old\n"
+                 "   ```\n")
+    new = docs_refresh.refresh(docs_refresh.parse(doc))
+    assert "   $ echo a; echo b\n   a\n   b\n   ```" in new
+    doc.write_text(new)
+    assert list(docs_refresh.problems(docs_refresh.parse(doc))) == []

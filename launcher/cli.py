@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from . import __version__
+from . import __version__, term
 from .errors import InputError, NotFitError
 
 
@@ -21,15 +21,15 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except InputError as e:
-            click.echo(f"vlaunch: error: {e}", err=True)
+            term.echo(f"vlaunch: error: {e}", err=True)
             ctx.exit(e.exit_code)
         except NotFitError as e:
-            click.echo(f"vlaunch: {e}", err=True)
+            term.echo(f"vlaunch: {e}", err=True)
             ctx.exit(e.exit_code)
         except OSError as e:  # a path the user gave that cannot be read or written
             where = f" {e.filename}" if e.filename else ""
-            click.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the path "
-                       "and its permissions", err=True)
+            term.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the path "
+                      "and its permissions", err=True)
             ctx.exit(2)
 
 
@@ -75,7 +75,7 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
         def echo(s: str) -> None:
             click.echo(json.dumps({"message": s}))
     else:
-        echo = click.echo
+        echo = term.echo
     exporter.run_forever(exp, port, bind, echo)
 
 
@@ -84,10 +84,8 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
 def gpus_cmd(fmt: str) -> None:
     """List the GPUs this process may use, as NVML reads them now."""
     import json
-    import os
 
     from .inputs import inventory
-    from .term import width
 
     try:
         inv = inventory.read_inventory()
@@ -95,9 +93,8 @@ def gpus_cmd(fmt: str) -> None:
         raise inventory.no_gpu_for_gpus(e) from None
     if fmt == "json":
         click.echo(json.dumps(inv.to_dict(), indent=2))
-    else:
-        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        click.echo(inventory.render_table(inv, color=color, width=width()))
+    else:  # the usage bars are coloured by term.echo on a terminal
+        term.echo(inventory.render_table(inv, color=False, width=term.width()))
 
 
 def _hardware(gpus: str | None):
@@ -261,8 +258,8 @@ def _warn_format_named(output: str) -> None:
 
     fmt = _FORMAT_NAMES.get(Path(output).name.lower())
     if fmt:
-        click.echo(f"vlaunch: warning: writing to a file named '{output}'; -o names the output "
-                   f"file, the format is chosen with --format {fmt}", err=True)
+        term.echo(f"vlaunch: warning: writing to a file named '{output}'; -o names the output "
+                  f"file, the format is chosen with --format {fmt}", err=True)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -303,8 +300,8 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
 
             plan_plot(d, plot_path)
         else:
-            click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
-                       "fit (no performance to plot)", err=True)
+            term.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
+                      "fit (no performance to plot)", err=True)
     if emit_dir:  # before printing: a folder that cannot be written is one line, not a plan
         from .run.emit import emit_plan, write_termination_message
 
@@ -317,7 +314,10 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
         _warn_format_named(output)
         _write_atomic(output, text)
     else:
-        click.echo(_fit(text) if fmt == "text" else text)
+        if fmt == "text":
+            term.echo(_fit(text))
+        else:
+            click.echo(text)
     if not d["fits"]:
         sys.exit(3)
 
@@ -337,8 +337,6 @@ def _fit(text: str) -> str:
     """Plan and capacity text fitted to the terminal (launcher/term.py): long reasons wrap
     with a hanging indent, the vllm command continues with backslashes."""
     import shlex
-
-    from . import term
 
     cols = term.width()
     out: list[str] = []
@@ -411,7 +409,7 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     else:
         from . import term
 
-        click.echo(capacity.render(d, term.width()))
+        term.echo(capacity.render(d, term.width()))
     if d["recommended"] is None:
         raise NotFitError(capacity.miss_message(d))
 
@@ -435,11 +433,11 @@ def profiles_cmd(fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
+    term.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
     for r in rows:
-        click.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
-                   f"{r['weights_bytes'] / GiB:>6.1f} GiB "
-                   f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
+        term.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
+                  f"{r['weights_bytes'] / GiB:>6.1f} GiB "
+                  f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
 
 
 def _serve_options(f):
@@ -487,7 +485,7 @@ def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None) -> None:
 
     def out(text: str) -> None:
         for line in fit([text], cols):  # long messages wrap under their own indent
-            click.echo(line, err=as_json)
+            term.echo(line, err=as_json)
 
     result = serve(spec, hw, pins, list(extra), max_attempts=opts["max_attempts"],
                    quiet=opts["quiet"], verbose=opts["verbose"], dry_run=opts["dry_run"],
@@ -569,7 +567,7 @@ def exec_cmd(plan_path: str, role: str | None, extra: tuple[str, ...], **kw) -> 
                       dry_run=opts["dry_run"], verbose=opts["verbose"],
                       startup_timeout=opts["startup_timeout"],
                       stop_timeout=_stop_timeout(opts), extra=list(extra),
-                      out=lambda s: click.echo(s, err=as_json), host=opts["host"])
+                      out=lambda s: term.echo(s, err=as_json), host=opts["host"])
         if as_json:
             import json
 
@@ -678,9 +676,9 @@ def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
                             max_concurrency=max_concurrency, rungs=rungs, user_candidates=user,
                             startup_timeout=startup_timeout, plot=plot, verbose=verbose,
                             prompts=prompts)
-    say = (lambda s: None) if fmt == "json" else click.echo  # noqa: E731
+    say = (lambda s: None) if fmt == "json" else term.echo  # noqa: E731
     status, doc = tune.tune(spec, hw, pins, opts, out=say,
-                            log=lambda s: click.echo(s, err=True))
+                            log=lambda s: term.echo(s, err=True))
     if fmt == "json":
         click.echo(json.dumps(doc, indent=2, default=str))
     if status == 0 and doc.get("recommended") is None:
@@ -731,9 +729,7 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     if fmt == "json":
         click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
     else:
-        from .term import width
-
-        click.echo(doctor.render(report, names, width()))
+        term.echo(doctor.render(report, names, term.width()))
     sys.exit(1 if report.diagnoses else 0)
 
 

@@ -63,6 +63,7 @@ from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
+from ..term import status
 from . import tune_acceptance
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
 from .exposure import exposure_warning, with_host
@@ -218,8 +219,7 @@ class Progress:
     def tick(self, text: str) -> None:
         with self._lock:
             if self.tty:
-                sys.stderr.write(f"\r{self.stamp()} {text}\x1b[K")
-                sys.stderr.flush()
+                status(f"{self.stamp()} {text}")
                 self._pending = True
             else:
                 self.out(f"{self.stamp()} {text}")

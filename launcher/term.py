@@ -253,6 +253,15 @@ def echo(text: str = "", *, err: bool = False, stream: TextIO | None = None) -> 
     out.flush()
 
 
+def bar(fraction: float, cells: int) -> str:
+    """A progress bar of `cells` characters between brackets, `#` for the share done (clamped to
+    0-1; a share above zero shows at least one `#`), `.` for the rest: plain characters, so it
+    reads the same in a pipe (a line `echo` prints colours it like `vlaunch gpus`'s bars)."""
+    share = min(1.0, max(0.0, fraction)) if fraction == fraction else 0.0  # NaN: nothing done
+    n = min(cells, max(1 if share > 0 else 0, round(share * cells)))
+    return "[" + "#" * n + "." * (cells - n) + "]"
+
+
 def status(text: str, *, stream: TextIO | None = None) -> None:
     """A progress line rewritten in place on a terminal (a heartbeat while vLLM loads): a
     carriage return, the text cut to the width (a wrapped line could not be rewritten), and

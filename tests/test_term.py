@@ -245,3 +245,40 @@ def test_colour_follows_no_color_term_and_tty(monkeypatch):
     assert term.colour(_Tty())
     monkeypatch.setenv("TERM", "dumb")
     assert not term.colour(_Tty())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bar_is_its_width_and_grows_with_the_share(seed):
+    rng = random.Random(seed)
+    for _ in range(100):
+        cells = rng.randint(1, 60)
+        a, b = sorted(rng.uniform(-0.5, 1.5) for _ in range(2))
+        ba, bb = term.bar(a, cells), term.bar(b, cells)
+        assert len(ba) == len(bb) == cells + 2 and ba[0] == "[" and ba[-1] == "]"
+        assert ba.count("#") <= bb.count("#")  # never less done for a larger share
+        full = a >= 1 - 0.5 / cells or (cells == 1 and a > 0)  # one cell: any share fills it
+        assert (ba.count("#") > 0) == (a > 0) and (ba.count("#") == cells) == full
+    assert term.bar(float("nan"), 4) == "[....]"
+
+
+def test_tune_heartbeat_on_a_terminal_carries_the_budget_bar(monkeypatch):
+    """A heartbeat on a terminal is rewritten in place behind a bar of the budget spent; piped,
+    it is one plain line each, no bar and no carriage return."""
+    from launcher.run.tune import Progress
+
+    now = [0.0]
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    lines: list[str] = []
+    p = Progress(100.0, lines.append, tty=True, clock=lambda: now[0])
+    now[0] = 25.0
+    p.tick("starting t1: loading")
+    assert err.getvalue().startswith("\r[#####...............] [   25s |  1m15s left] starting t1")
+    p.line("t1 ready")
+    assert lines == ["[   25s |  1m15s left] t1 ready"] and err.getvalue().endswith("\n")
+    piped: list[str] = []
+    now[0] = 0.0
+    q = Progress(100.0, piped.append, tty=False, clock=lambda: now[0])
+    now[0] = 25.0
+    q.tick("measuring")
+    assert piped == ["[   25s |  1m15s left] measuring"]

@@ -63,7 +63,7 @@ from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
-from ..term import status
+from ..term import bar, status
 from . import tune_acceptance
 from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
 from .exposure import exposure_warning, with_host
@@ -218,8 +218,9 @@ class Progress:
 
     def tick(self, text: str) -> None:
         with self._lock:
-            if self.tty:
-                status(f"{self.stamp()} {text}")
+            if self.tty:  # in place, behind a bar of the budget spent
+                spent = self.elapsed / self.budget_s if self.budget_s > 0 else 1.0
+                status(f"{bar(spent, 20)} {self.stamp()} {text}")
                 self._pending = True
             else:
                 self.out(f"{self.stamp()} {text}")

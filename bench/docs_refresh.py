@@ -74,6 +74,7 @@ class Doc:
     commands: list[Command] = field(default_factory=list)
     other: list[tuple[int, str]] = field(default_factory=list)  # (line, text) in other blocks
     figures: list[tuple[int, int, str]] = field(default_factory=list)  # (line, section, number)
+    links: list[tuple[int, str]] = field(default_factory=list)  # (line, relative target)
 
     @property
     def name(self) -> str:
@@ -94,6 +95,9 @@ def parse(path: Path) -> Doc:
         if not m:
             for f in _FIGURE.finditer(_strip_code_spans_but_figures(line)):
                 doc.figures.append((i + 1, section, f.group(1)))
+            doc.other += [(i + 1, c) for c in re.findall(r"`((?:vlaunch|make) [^`]+)`", line)]
+            doc.links += [(i + 1, t) for t in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", line)
+                          if "://" not in t]
             i += 1
             continue
         lang, j = m.group(2), i + 1
@@ -190,6 +194,19 @@ def run(command: str) -> tuple[int, list[str]]:
     return p.returncode, out
 
 
+def prefetch(docs: list[Doc]) -> None:
+    """Run every distinct command the docs quote, and each subcommand's --help, a few at a time
+    (one per core), so the checks that follow read the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cmds = {c.text for d in docs for c in d.commands}
+    subs = {w[1] for d in docs for _, text in d.other for w in _invocations(text)
+            if w[0] == "vlaunch" and len(w) > 1 and not w[1].startswith("-")}
+    cmds |= {f"vlaunch {s} --help" for s in subs if not _placeholder(s)} | {"vlaunch --help"}
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        list(pool.map(run, sorted(cmds)))
+
+
 def normal(lines: list[str]) -> list[str]:
     """Lines as compared: trailing spaces and timestamps do not count."""
     return [_TIME.sub("<time>", x.rstrip()) for x in lines]
@@ -220,6 +237,9 @@ def problems(doc: Doc) -> Iterator[str]:
             yield (f"{doc.name}:{line}: figure `{number}` is in no console output of its "
                    "section")
     yield from _shown_commands(doc)
+    for line, target in doc.links:
+        if not (doc.path.parent / target).exists():
+            yield f"{doc.name}:{line}: link to {target}, which does not exist"
 
 
 def _shown_commands(doc: Doc) -> Iterator[str]:
@@ -229,11 +249,14 @@ def _shown_commands(doc: Doc) -> Iterator[str]:
     for line, text in doc.other:
         for words in _invocations(text):
             if words[0] == "make":
-                for t in (w for w in words[1:] if not w.startswith("-") and "=" not in w):
+                for t in (w for w in words[1:] if not w.startswith("-") and "=" not in w
+                          and not _placeholder(w)):
                     if t not in targets:
                         yield f"{doc.name}:{line}: make target {t!r} is not in the Makefile"
                 continue
             sub = words[1] if len(words) > 1 and not words[1].startswith("-") else None
+            if sub is not None and _placeholder(sub):
+                continue  # `vlaunch COMMAND --help`: a pattern, not a command
             known = _options(sub)
             if known is None:
                 yield f"{doc.name}:{line}: `vlaunch {sub}` is not a vlaunch command"
@@ -257,6 +280,11 @@ def _invocations(text: str) -> Iterator[list[str]]:
         words = [w for w in words if w and "=" not in w.split("-")[0]]  # VAR=value prefixes
         if words and words[0] in ("vlaunch", "make"):
             yield words
+
+
+def _placeholder(word: str) -> bool:
+    """COMMAND, TARGET, MODEL, ...: a word the reader replaces."""
+    return word.strip(".") == "" or (word.isupper() and word.isalpha())
 
 
 @functools.cache
@@ -295,6 +323,7 @@ def atomic_write(path: Path, text: str) -> None:
 
 def main() -> int:
     try:
+        prefetch([parse(p) for p in doc_files()])
         for path in doc_files():
             doc = parse(path)
             new = refresh(doc)

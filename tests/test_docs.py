@@ -19,6 +19,7 @@ DOCS = docs_refresh.doc_files()
 
 @pytest.fixture(scope="module", autouse=True)
 def _scratch():
+    docs_refresh.prefetch([docs_refresh.parse(p) for p in DOCS])
     yield
     import shutil
 
@@ -86,3 +87,15 @@ def test_indented_block_keeps_its_indent(tmp_path: Path) -> None:
     assert "   $ echo a; echo b\n   a\n   b\n   ```" in new
     doc.write_text(new)
     assert list(docs_refresh.problems(docs_refresh.parse(doc))) == []
+
+
+def test_prose_commands_and_links_are_checked(tmp_path: Path) -> None:
+    """`vlaunch ...` in running text parses like a block's; a relative link must resolve."""
+    (tmp_path / "there.md").write_text("# there\n")
+    doc = _write(tmp_path, "# t\n\nRun `vlaunch plan MODEL --gpuz 8xH200` or `make nothing`; "
+                 "see [there](there.md#x), [gone](gone.md) and [web](https://example.org/a.md); "
+                 "`vlaunch COMMAND --help` is a pattern.\n")
+    bad = list(docs_refresh.problems(docs_refresh.parse(doc)))
+    assert len(bad) == 3 and all(b.startswith(f"{doc}:3:") for b in bad), bad
+    assert any("--gpuz" in b for b in bad) and any("'nothing'" in b for b in bad)
+    assert any("gone.md" in b for b in bad)

@@ -13,9 +13,9 @@ runs the same checks; `make docs` (this script) rewrites the docs, atomically, f
 
 Commands run the way the reader's would, minus what varies by machine: this tree's `vlaunch` on
 PATH, 100 columns, no colour, a fresh empty cache and home (no calibration, lessons or Hub
-records of this machine), the Hub offline, in a scratch folder holding links to the repository's
-`tests/`, `profiles/` and `deploy/`. A block's pipeline must exit 0: a command shown failing ends
-with `; echo "exit $?"`.
+records of this machine), the Hub offline, in a scratch folder holding links to the
+repository's `tests/`, `profiles/`, `deploy/` and `bench/`. A block's pipeline must exit 0: a
+command shown failing ends with `; echo "exit $?"`.
 """
 
 from __future__ import annotations
@@ -171,8 +171,7 @@ def env() -> dict[str, str]:
             if k in ("PATH", "LANG", "LC_ALL", "TMPDIR", "USER", "LOGNAME")}
     return {**keep, "PATH": f"{top / 'bin'}:{keep.get('PATH', '/usr/bin:/bin')}",
             "PYTHONPATH": str(ROOT), "HOME": str(top / "home"), "COLUMNS": COLUMNS,
-            "NO_COLOR": "1", "TERM": "dumb", "HF_HUB_OFFLINE": "1",
-            "HF_HOME": str(top / "home" / "hf"),
+            "NO_COLOR": "1", "TERM": "dumb", "HF_HUB_OFFLINE": "1",  # the HF cache: HOME's
             "VLAUNCH_CACHE_DIR": str(top / "home" / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
 
 

@@ -99,3 +99,21 @@ def test_prose_commands_and_links_are_checked(tmp_path: Path) -> None:
     assert len(bad) == 3 and all(b.startswith(f"{doc}:3:") for b in bad), bad
     assert any("--gpuz" in b for b in bad) and any("'nothing'" in b for b in bad)
     assert any("gone.md" in b for b in bad)
+
+
+def test_json_doc_names_every_top_level_key_of_a_plan() -> None:
+    """docs/json.md's plan table names each key `--format json` prints (a key added to the plan
+    is a row to add), and no key the plan no longer has."""
+    import json
+    import re
+
+    rc, out = docs_refresh.run("vlaunch plan deepseek-v3 --gpus 8xH200 --format json")
+    assert rc == 0
+    keys = set(json.loads("\n".join(out)))
+    text = (docs_refresh.ROOT / "docs" / "json.md").read_text()
+    table = text[text.index("## Plan JSON"):text.index("## tune.json")]
+    rows = [re.sub(r" \([^)]*\)", "", r.split(" | ")[0])  # "(and `revision` ...)": model's keys
+            for r in table.split("\n") if r.startswith("| `")]
+    named = {m for r in rows for m in re.findall(r"`([a-z_]+)(?:[{\[`(]|$)", r)}
+    assert keys - named == set(), f"docs/json.md lacks a row for {sorted(keys - named)}"
+    assert named - keys == set(), f"docs/json.md names keys a plan lacks: {sorted(named - keys)}"

@@ -30,6 +30,10 @@ def _scratch():
 @pytest.mark.parametrize("path", DOCS, ids=[p.name if p.parent.name != "kubernetes"
                                             else "kubernetes/README.md" for p in DOCS])
 def test_doc_is_current(path: Path) -> None:
+    from launcher.predict.capabilities import installed_vllm
+
+    if installed_vllm() is None:  # `make unit` before `make engine`: plans say what they assumed
+        pytest.skip("the docs quote plans made beside the installed vLLM (make engine)")
     bad = list(docs_refresh.problems(docs_refresh.parse(path)))
     assert not bad, ("\n".join(bad) + f"\nrefresh with: {docs_refresh.REFRESH}, then read the "
                      "diff (a figure or a sentence may need a new word)")

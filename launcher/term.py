@@ -255,10 +255,10 @@ def echo(text: str = "", *, err: bool = False, stream: TextIO | None = None) -> 
 
 def bar(fraction: float, cells: int) -> str:
     """A progress bar of `cells` characters between brackets, `#` for the share done (clamped to
-    0-1; a share above zero shows at least one `#`), `.` for the rest: plain characters, so it
-    reads the same in a pipe (a line `echo` prints colours it like `vlaunch gpus`'s bars)."""
+    0-1, to the nearest cell), `.` for the rest: plain characters, so it reads the same in a
+    pipe (a line `echo` prints colours it like `vlaunch gpus`'s bars)."""
     share = min(1.0, max(0.0, fraction)) if fraction == fraction else 0.0  # NaN: nothing done
-    n = min(cells, max(1 if share > 0 else 0, round(share * cells)))
+    n = min(cells, round(share * cells))
     return "[" + "#" * n + "." * (cells - n) + "]"
 
 

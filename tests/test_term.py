@@ -256,9 +256,11 @@ def test_bar_is_its_width_and_grows_with_the_share(seed):
         ba, bb = term.bar(a, cells), term.bar(b, cells)
         assert len(ba) == len(bb) == cells + 2 and ba[0] == "[" and ba[-1] == "]"
         assert ba.count("#") <= bb.count("#")  # never less done for a larger share
-        full = a >= 1 - 0.5 / cells or (cells == 1 and a > 0)  # one cell: any share fills it
-        assert (ba.count("#") > 0) == (a > 0) and (ba.count("#") == cells) == full
-    assert term.bar(float("nan"), 4) == "[....]"
+        share = min(1.0, max(0.0, a))
+        assert abs(ba.count("#") - share * cells) <= 0.5  # the nearest cell
+        assert ba.count("#") + ba.count(".") == cells
+    assert term.bar(float("nan"), 4) == term.bar(-1, 4) == term.bar(0.01, 4) == "[....]"
+    assert term.bar(2.0, 4) == term.bar(0.99, 4) == "[####]"
 
 
 def test_tune_heartbeat_on_a_terminal_carries_the_budget_bar(monkeypatch):

@@ -39,6 +39,7 @@ COLUMNS = "100"
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 _FIGURE = re.compile(r"`(\d[\d,]*(?:\.\d+)?)((?: ?[A-Za-z%$/]+)?)`")
 _NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+_STANDALONE = re.compile(r"(?<![\w.,])\d[\d,]*(?:\.\d+)?(?!\w)")
 _TIME = re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d)?")
 _HEADING = re.compile(r"^#{1,2} ")
 _PYTHON = re.compile(r"(?<![\w./-])[\w./-]*/bin/python[\d.]*(?![\w/])")
@@ -295,20 +296,52 @@ def _options(sub: str | None) -> frozenset[str] | None:
     return frozenset(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", "\n".join(out)))
 
 
-def refresh(doc: Doc) -> str:
-    """The doc's text with every console block's output and every prose figure as today's."""
+def _skeleton(line: str) -> str:
+    """A line with its standalone numbers blanked: what must stay for a number in it to be the
+    same fact. Numbers inside words (`8xH100`, `TP4`, `4.16x`) stay: they name the row."""
+    return _STANDALONE.sub("#", line.strip())
+
+
+def _moved(number: str, shown: list[str], now: list[str]) -> set[str]:
+    """What `number` reads as in the new output, at each place it sits in the old one: the same
+    place on the nearest line with the same words around the numbers. Empty when no such line is
+    left (the fact is gone, or reworded); more than one value when its places disagree (`4` in
+    `TP4` and in the replicas column): either way a person must read the sentence."""
+    values: set[str] = set()
+    for i, old in enumerate(shown):
+        same = [j for j, new in enumerate(now) if _skeleton(new) == _skeleton(old)]
+        if not same:
+            continue
+        new = _NUMBER.findall(now[min(same, key=lambda j: abs(j - i))])
+        values |= {new[k] for k, n in enumerate(_NUMBER.findall(old)) if n == number}
+    return values
+
+
+def refresh(doc: Doc, unmoved: list[str] | None = None) -> str:
+    """The doc's text with every console block's output and every prose figure as today's; a
+    figure whose line is gone from the output is kept as written and named in `unmoved`."""
     lines = list(doc.lines)
-    figures = {}  # (section, number): new number, read at the number's place in the output
+    blocks: dict[int, list[tuple[list[str], list[str]]]] = {}
     for c in doc.commands:
-        _, now = run(c.text)
-        for old_line, new_line in zip(c.shown(doc.lines), now, strict=False):
-            for old, new in zip(_NUMBER.findall(old_line), _NUMBER.findall(new_line),
-                                strict=False):
-                figures.setdefault((c.section, old), new)
-    for line, section, _ in doc.figures:  # prose lines hold no console output: indices stay
-        lines[line - 1] = _FIGURE.sub(
-            lambda m, s=section: "`" + figures.get((s, m.group(1)), m.group(1)) + m.group(2)
-            + "`", lines[line - 1])
+        blocks.setdefault(c.section, []).append((c.shown(doc.lines), run(c.text)[1]))
+
+    def new_figure(m: re.Match[str], line: int, section: int) -> str:
+        number = m.group(1)
+        values = set().union(*(_moved(number, shown, now)
+                               for shown, now in blocks.get(section, ())))
+        if len(values) == 1:
+            return f"`{values.pop()}{m.group(2)}`"
+        if unmoved is not None:
+            why = ("its output line changed" if not values else
+                   f"it sits in several places that now read {', '.join(sorted(values))}")
+            unmoved.append(f"{doc.name}:{line}: figure `{number}`: {why}; reword the sentence "
+                           "by hand (or quote a figure that appears once)")
+        return m.group(0)
+
+    for line, section in dict.fromkeys((n, s) for n, s, _ in doc.figures):  # once a line;
+        # prose lines hold no console output, so the indices stay valid
+        lines[line - 1] = _FIGURE.sub(lambda m, n=line, s=section: new_figure(m, n, s),
+                                      lines[line - 1])
     for c in reversed(doc.commands):  # from the bottom, so earlier indices stay valid
         lines[c.out_start:c.out_end] = [(c.indent + x) if x else x for x in run(c.text)[1]]
     return "\n".join(lines)
@@ -323,13 +356,14 @@ def atomic_write(path: Path, text: str) -> None:
 def main() -> int:
     try:
         prefetch([parse(p) for p in doc_files()])
+        unmoved: list[str] = []
         for path in doc_files():
             doc = parse(path)
-            new = refresh(doc)
+            new = refresh(doc, unmoved)
             if new != "\n".join(doc.lines):
                 atomic_write(path, new)
                 print(f"rewrote {doc.name}")
-        bad = [p for path in doc_files() for p in problems(parse(path))]
+        bad = unmoved + [p for path in doc_files() for p in problems(parse(path))]
         for p in bad:
             print(p)
         return 1 if bad else 0

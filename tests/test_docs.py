@@ -121,3 +121,22 @@ def test_json_doc_names_every_top_level_key_of_a_plan() -> None:
     named = {m for r in rows for m in re.findall(r"`([a-z_]+)(?:[{\[`(]|$)", r)}
     assert keys - named == set(), f"docs/json.md lacks a row for {sorted(keys - named)}"
     assert named - keys == set(), f"docs/json.md names keys a plan lacks: {sorted(named - keys)}"
+
+
+def test_a_figure_whose_line_changed_or_that_sits_twice_is_left_for_a_person(tmp_path: Path):
+    """The refresh moves a figure only along a line whose words stay: a row that is gone (the
+    4xH100 replica capacity no longer offers) or a number in two places that now disagree (`4`
+    in `TP4` and in the replicas column) is kept as written and named, never guessed."""
+    doc = _write(tmp_path, "# t\n\nIt serves `85` users on `4` replicas, `53.86` GiB each.\n\n"
+                 "```console\n$ echo '8xH100 TP4 users 170 replicas 2'; echo 'KV 60.1'\n"
+                 "4xH100 TP4 users 85 replicas 4\nKV 53.86\n```\n")
+    unmoved: list[str] = []
+    new = docs_refresh.refresh(docs_refresh.parse(doc), unmoved)
+    assert "It serves `85` users on `4` replicas, `60.1` GiB each." in new
+    assert [u.split(": figure ")[1].split(":")[0] for u in unmoved] == ["`85`", "`4`"]
+    assert all(u.startswith(f"{doc}:3:") for u in unmoved)
+    doc2 = _write(tmp_path, "# t\n\nOn `4` replicas.\n\n```console\n"
+                  "$ echo 'TP4 replicas 2'\nTP4 replicas 4\n```\n")
+    unmoved = []
+    docs_refresh.refresh(docs_refresh.parse(doc2), unmoved)
+    assert len(unmoved) == 1 and "now read 2, 4" in unmoved[0]

@@ -49,6 +49,8 @@ def test_every_doc_shows_a_live_command_or_is_prose() -> None:
     assert sum("vlaunch capacity" in t for t in texts) == 2
     assert len(docs["capacity.md"].figures) >= 8
     assert len(docs["README.md"].path.read_text()) <= 15_000
+    linked = {Path(t).name for _, t in docs["README.md"].links}
+    assert {p.name for p in DOCS if p.parent.name == "docs"} <= linked  # every page has a way in
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -319,9 +319,18 @@ def apply_plan_fixes(report: Report, ctx: PlanContext) -> None:
     if not any(d.cause in PLANNED_CAUSES for d in report.diagnoses):
         return  # nothing the planner decides (a port, a missing module): no plan to make
     pins = launch_pins(ctx, report.facts)
-    failed = _plan(ctx, pins)
+    try:
+        failed = make_plan(ctx.spec, ctx.hardware, pins, **ctx.goals)
+    except InputError as e:
+        failed = None
+        if ctx.source == "log":  # what the log shows is all the planner knows: it cannot check
+            _unchecked(report, f"not checked by vlaunch's planner: it refuses this launch's "
+                               f"settings ({e})")
+            return
     if failed is not None and _weights_misfit(failed) and _loaded(report):
-        _planner_disagrees(report, failed)
+        _unchecked(report, "not checked by vlaunch's planner: it predicts this launch does not "
+                           f"fit these GPUs ({_problem(failed)}), yet the log shows the weights "
+                           "loaded")
         return
     for d in report.diagnoses:
         if d.cause not in PLANNED_CAUSES:
@@ -365,12 +374,10 @@ def _loaded(report: Report) -> bool:
     return report.phase in ("profiling", "kv_cache", "capturing_graphs", "ready", "serving")
 
 
-def _planner_disagrees(report: Report, failed: Any) -> None:
-    """The planner predicts the launch's weights do not fit these GPUs, yet the log shows they
-    loaded: its check would be wrong here, so the log's own fixes stay, unchecked, saying
-    why (never replaced by the planner's alternatives to a launch that ran)."""
-    why = (f"not checked by vlaunch's planner: it predicts this launch does not fit these GPUs "
-           f"({_problem(failed)}), yet the log shows the weights loaded")
+def _unchecked(report: Report, why: str) -> None:
+    """The planner cannot check this launch (it refuses what ran, or predicts that weights
+    which loaded do not fit): the log's own fixes stay, unchecked, saying why, never replaced
+    by the planner's alternatives to a launch it cannot model."""
     for d in report.diagnoses:
         if d.cause in PLANNED_CAUSES:
             d.explain.append(why)

@@ -105,6 +105,9 @@ DeepSeek-V3 index is 9 MiB); a larger one is a mistake or an attack, not data.""
 class NotSmallFile(OSError):
     """A path that is not a regular file of at most `limit` bytes (strerror says which)."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)
+
 
 def read_small(path: str | os.PathLike[str], limit: int = MAX_SMALL_FILE) -> bytes:
     """The bytes of a regular file of at most `limit` bytes, read without waiting or filling
@@ -208,6 +211,47 @@ def inside(folder: Path, *parts: str) -> Path:
     if real != base and not real.startswith(base.rstrip("/") + "/"):
         raise InputError(f"refusing {path}: it lies outside {folder}")
     return path
+
+
+def warn_if_foreign(path: str | os.PathLike[str]) -> bool:
+    """Warn (stderr, one line) when a file vlaunch acts on (a plan that becomes a command
+    line) is owned by another user or writable by everyone: whoever can write it chooses what
+    runs. Root's files are not foreign. True when a warning was printed."""
+    import stat
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    who = None
+    if st.st_uid not in (os.geteuid(), 0):
+        who = f"is owned by user {st.st_uid}, not you ({os.geteuid()})"
+    elif st.st_mode & stat.S_IWOTH:
+        who = "is writable by every user"
+    if who is None:
+        return False
+    print(f"vlaunch: warning: {path} {who}; whoever can write it chooses what vlaunch runs "
+          "(chmod o-w, or keep plans in a folder only you can write)", file=sys.stderr)
+    return True
+
+
+def warn_if_open_folder(folder: str | os.PathLike[str]) -> bool:
+    """Warn (stderr, one line) when an output folder is writable by every user: another user
+    can swap or plant files there (without the sticky bit), or read what lands in it as it is
+    written there. True when a warning was printed."""
+    import stat
+
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return False
+    if not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH):
+        return False
+    sticky = " (sticky: others cannot replace your files, but can plant other names)" \
+        if st.st_mode & stat.S_ISVTX else ""
+    print(f"vlaunch: warning: {folder} is writable by every user{sticky}; write plans to a "
+          "folder only you can write (chmod o-w)", file=sys.stderr)
+    return True
 
 
 def current_umask() -> int:

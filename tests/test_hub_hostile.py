@@ -357,3 +357,17 @@ def test_credentials_in_hf_endpoint_are_never_printed(hostile: Hostile,
     hostile.sha = GOOD_SHA
     line = _one_line(["acme/x"])
     assert "s3cret" not in line and "mirror-user" not in line
+
+
+# ----------------------------------------------------------------------------- M2
+
+
+@pytest.mark.parametrize("params", [{"BF16": -2 * 10**12}, {"BF16": 10**9, "F32": -1},
+                                    {"BF16": "7e9"}, {"BF16": 10**30}, {"BF16": True}])
+def test_negative_or_nonsense_parameter_counts_from_the_hub_are_refused(
+        hostile: Hostile, params: dict) -> None:
+    """The attack: model info reporting −2e12 parameters planned −4 TB of weights and 4.1
+    billion KV tokens on one H100, so the init container's does-not-fit gate passed."""
+    hostile.info_extra = {"safetensors": {"parameters": params, "total": 1}}
+    line = _one_line(["acme/x"])
+    assert "parameter count" in line or "parameters" in line

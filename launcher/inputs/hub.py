@@ -191,7 +191,7 @@ def safetensors_header_counts(path: Path) -> dict[str, int]:
             size = int.from_bytes(head, "little")
             if len(head) < 8 or size > _MAX_HEADER or 8 + size > path.stat().st_size:
                 raise ValueError(f"header of {size:,} bytes claimed")
-            header = json.loads(f.read(size))
+            header = loads_json(f.read(size))
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise InputError(f"{path} has a corrupt safetensors header ({e}); delete it so it is "
                          "downloaded again") from None
@@ -199,11 +199,44 @@ def safetensors_header_counts(path: Path) -> dict[str, int]:
     for name, t in header.items() if isinstance(header, dict) else ():
         if name == "__metadata__" or not isinstance(t, dict):
             continue
+        shape = t.get("shape") or []
+        if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_COUNT
+                for d in shape):
+            raise InputError(f"{path} has a corrupt safetensors header (tensor {str(name)[:60]!r} "
+                             f"has shape {str(shape)[:60]}, not whole numbers of 0 or more); "
+                             "delete it so it is downloaded again")
         n = 1
-        for d in t.get("shape") or []:
-            n *= int(d)
+        for d in shape:
+            n *= d
         counts[str(t.get("dtype"))] = counts.get(str(t.get("dtype")), 0) + n
-    return counts
+    return check_counts(counts, str(path))
+
+
+MAX_COUNT = 1 << 50
+"""Far above any checkpoint (DeepSeek-V3: 6.7e11 parameters = 2^39.3), low enough that bytes
+stay exact in a float: a larger count is corrupt or hostile, not a model."""
+
+
+def check_counts(params: Any, where: str) -> dict[str, int]:
+    """Parameters per dtype as whole numbers from 0 to MAX_COUNT, or one line saying which is
+    not: a negative count from a hostile Hub or header made −2 TB of weights "fit" one GPU and
+    so opened the init container's does-not-fit gate (issue 31, M2)."""
+    if not isinstance(params, dict):
+        raise InputError(f"parameter counts from {where} are not a table of dtype: count")
+    out: dict[str, int] = {}
+    for k, v in params.items():
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
+            raise InputError(f"parameter count {str(v)[:40]} for {str(k)[:20]!r} from {where} "
+                             f"is not a whole number from 0 to {MAX_COUNT:.1e}; check the "
+                             "checkpoint (or HF_ENDPOINT)")
+        out[str(k)] = out.get(str(k), 0) + v
+    if sum(out.values()) > MAX_COUNT:
+        raise InputError(f"{sum(out.values()):.3g} parameters from {where} is more than any "
+                         "checkpoint holds; check the checkpoint (or HF_ENDPOINT)")
+    return out
 
 
 def _local_weights(snap: Path) -> tuple[dict[str, int] | None, int | None]:
@@ -383,12 +416,12 @@ def _fetch(repo_id: str, revision: str | None) -> HubModel:
     params: dict[str, int] | None = None
     st = getattr(info, "safetensors", None)
     if st is not None and getattr(st, "parameters", None):
-        params = {str(k): int(v) for k, v in st.parameters.items()}
+        params = check_counts(dict(st.parameters), f"the Hub at {shown_endpoint()}")
     elif files & {"model.safetensors", "model.safetensors.index.json"}:
         if "model.safetensors.index.json" in files and "model.safetensors" not in files:
             index_shards(download("model.safetensors.index.json"), f"{repo_id}'s index")
         meta = api.get_safetensors_metadata(repo_id, revision=commit)
-        params = {str(k): int(v) for k, v in meta.parameter_count.items()}
+        params = check_counts(dict(meta.parameter_count), f"{repo_id}'s safetensors headers")
     return HubModel(repo_id, revision, commit, cfg, params, counts_bytes(params), "hub")
 
 

@@ -17,7 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
+from ..paths import (
+    cache_dir,
+    loads_json,
+    read_json_object,
+    read_small_text,
+    report_corrupt,
+    update_json_object,
+)
 
 _DECISIONS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs",
               "max_num_batched_tokens", "enforce_eager", "vllm_version")
@@ -77,7 +84,7 @@ def read_startup_plans(paths: list[str]) -> int | None:
     values = []
     for p in paths:
         try:
-            value = json.loads(Path(p).read_text(encoding="utf-8")).get("kv_cache_memory_bytes")
+            value = loads_json(read_small_text(p)).get("kv_cache_memory_bytes")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
             continue
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..paths import atomic_write
+from ..paths import atomic_write, loads_json, read_small_text, warn_if_foreign, warn_if_open_folder
 
 PLAN_FILE = "plan.json"
 ARGS_FILE = "vllm-args"
@@ -81,6 +81,7 @@ def emit_plan(plan: dict, out_dir: str | os.PathLike[str]) -> list[Path]:
         (PLAN_FILE, json.dumps(plan, indent=2, sort_keys=True) + "\n"),
     ]
     out.mkdir(parents=True, exist_ok=True)
+    warn_if_open_folder(out)
     return [atomic_write(out / name, text) for name, text in rendered]
 
 
@@ -90,15 +91,19 @@ def load_plan(path: str | os.PathLike[str]) -> dict:
     if p.is_dir():
         p = p / PLAN_FILE
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_small_text(p)  # a FIFO or /dev/zero is refused, never waited on or read
     except FileNotFoundError:
         raise InputError(
             f"no plan at {p}; write one with `vlaunch plan MODEL --emit DIR`"
         ) from None
     except OSError as e:
-        raise InputError(f"cannot read plan {p}: {e.strerror}") from None
+        raise InputError(f"cannot read plan {p}: {e.strerror}; give the plan.json that "
+                         "`vlaunch plan --emit DIR` wrote") from None
+    except UnicodeDecodeError:
+        raise InputError(f"plan {p} is not UTF-8 text, so not a vlaunch plan") from None
+    warn_if_foreign(p)
     try:
-        plan = json.loads(text)
+        plan = loads_json(text)
     except json.JSONDecodeError as e:
         raise InputError(f"plan {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(plan, dict) or not isinstance(plan.get("vllm_args"), list):

@@ -60,6 +60,7 @@ from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.prompts import PromptSet, builtin_prompts
 from ..inputs.workload import SLO, Workload
+from ..paths import loads_json, read_small_text
 from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
@@ -271,7 +272,7 @@ class Tuner:
         if not self.opts.resume or not path.exists():
             return
         try:
-            old = json.loads(path.read_text())
+            old = loads_json(read_small_text(path))
         except (OSError, ValueError) as e:
             raise InputError(f"--resume: cannot read {path} ({e})") from None
         for t in old.get("trials", []):

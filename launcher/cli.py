@@ -18,6 +18,12 @@ class _Group(click.Group):
     """Turns vlaunch's own errors into one line and an exit code."""
 
     def invoke(self, ctx: click.Context):
+        from .printable import guarded
+
+        with guarded():  # nothing from a config, log or plan drives the terminal (printable.py)
+            return self._invoke(ctx)
+
+    def _invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except InputError as e:
@@ -96,8 +102,16 @@ def gpus_cmd(fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(inv.to_dict(), indent=2))
     else:
+        from .printable import printable, raw
+
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        click.echo(inventory.render_table(inv, color=color, width=width()))
+        if not color:
+            click.echo(inventory.render_table(inv, color=False, width=width()))
+        else:  # colour is escapes: the table's own, over printable fields, to the real stdout
+            plain = inventory.render_table(inv, color=False, width=width())
+            coloured = inventory.render_table(inv, color=True, width=width())
+            ok = printable(plain) == plain  # NVML text with escapes of its own: no colour
+            click.echo(coloured if ok else plain, file=raw(sys.stdout), color=ok)
 
 
 def _hardware(gpus: str | None):

@@ -147,10 +147,12 @@ def write_termination_message(text: str, path: str | os.PathLike[str] = TERMINAT
     outside one we must not create `/dev/termination-log`. Best effort by design: failing to
     explain a failure must not hide the failure itself, so write errors return False.
     """
+    from ..printable import printable
+
     p = Path(path)
     if not p.exists():
         return False
-    data = text.encode("utf-8")
+    data = printable(text).encode("utf-8")  # kubectl describe prints it to a terminal
     if len(data) > TERMINATION_MAX_BYTES:
         keep = TERMINATION_MAX_BYTES - len(_TRUNCATED.encode())
         data = data[:keep].decode("utf-8", errors="ignore").encode("utf-8") + _TRUNCATED.encode()

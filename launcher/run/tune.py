@@ -219,8 +219,11 @@ class Progress:
     def tick(self, text: str) -> None:
         with self._lock:
             if self.tty:
-                sys.stderr.write(f"\r{self.stamp()} {text}\x1b[K")
-                sys.stderr.flush()
+                from ..printable import one_line, raw
+
+                err = raw(sys.stderr)  # \r and erase-line are the progress line's own escapes
+                err.write(f"\r{self.stamp()} {one_line(text, 10_000)}\x1b[K")
+                err.flush()
                 self._pending = True
             else:
                 self.out(f"{self.stamp()} {text}")

@@ -64,17 +64,21 @@ def format_option(help: str, *extra: str):
               help="Seconds allowed for each fetch of vLLM's /metrics.")
 @click.option("--cache-ttl", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
               help="Seconds a fetch of vLLM's /metrics is reused across scrapes.")
+@click.option("--relay-vllm/--no-relay-vllm", default=None,
+              help="End the page with vLLM's own /metrics, so Prometheus needs only this port "
+                   "(default: VLAUNCH_METRICS_RELAY=1 turns it on; the manifests do).")
 @format_option("text: what it serves, one line each; json: the same as JSON lines "
                "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
-                 cache_ttl: float, fmt: str) -> None:
+                 cache_ttl: float, relay_vllm: bool | None, fmt: str) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from .observe import exporter
     from .run.emit import load_plan, startup_deadline_s
 
     plan = load_plan(plan_path) if plan_path else None
     exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl,
-                            startup_timeout_s=startup_deadline_s if plan else None)
+                            startup_timeout_s=startup_deadline_s if plan else None,
+                            relay_vllm=relay_vllm)
     if fmt == "json":
         import json
 

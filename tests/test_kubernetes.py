@@ -300,7 +300,9 @@ def test_service_and_podmonitor_select_the_serving_pods(overlay):
     # The API only: the exporter is scraped on the pods, never load-balanced (issue 23).
     assert {p["port"] for p in svc["spec"]["ports"]} == {8000}
     scraped = {e["port"] for e in mon["spec"]["podMetricsEndpoints"]}
-    assert scraped == {"http", "metrics"}
+    # The exporter only: it relays vLLM's page, so Prometheus needs no way into port 8000,
+    # which also serves /invocations unauthenticated (issue 31, M5).
+    assert scraped == {"metrics"}
     for where, template in _pod_templates(objs):
         labels = template["metadata"]["labels"]
         assert mon["spec"]["selector"]["matchLabels"].items() <= labels.items(), where
@@ -579,6 +581,7 @@ def test_planner_gets_no_hf_token(overlay):
 # ---- exposure and supply chain (issue 23) ---------------------------------------------------
 
 GATEWAY_NS, MONITORING_NS = "vlaunch-gateway", "monitoring"
+GATEWAY_LABEL, PROMETHEUS_LABEL = "vlaunch-api-client", "app.kubernetes.io/name"
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
 # Ports inside a group: torch.distributed's master port, vLLM's DP RPC port, Ray's, an NCCL one.
@@ -650,18 +653,28 @@ def test_network_policies_admit_only_gateway_monitoring_and_the_group(overlay):
         def allowed(ns, port, src=None, dst=dst, named=named):
             return _ingress_allowed(policies, dst, named, ns, src or {"app": "other"}, port)
 
+        gateway, prometheus = {GATEWAY_LABEL: "true"}, {PROMETHEUS_LABEL: "prometheus"}
+
         # No one else: another namespace, and an unrelated pod of the same namespace.
         for port in (8000, 9400, *INTERNAL_PORTS):
             assert not allowed("default", port), (where, port)
             assert not allowed("vlaunch", port), (where, port)
-        # The gateway reaches the API and nothing else.
-        assert allowed(GATEWAY_NS, 8000) == serves, where
-        for port in (9400, *INTERNAL_PORTS):
+        # The gateway's labelled pods reach the API and nothing else; its other pods nothing,
+        # and the label does not open the door from another namespace (issue 31, M5).
+        assert allowed(GATEWAY_NS, 8000, gateway) == serves, where
+        for port in (8000, 9400, *INTERNAL_PORTS):
             assert not allowed(GATEWAY_NS, port), (where, port)
-        # Monitoring reaches the exporter (and vLLM's /metrics, which shares the API port).
+            assert not allowed("default", port, gateway), (where, port)
+            assert not allowed("default", port, prometheus), (where, port)
+        for port in (9400, *INTERNAL_PORTS):
+            assert not allowed(GATEWAY_NS, port, gateway), (where, port)
+        # Prometheus's pods reach the exporter only; not vLLM's port, whose /invocations
+        # answers without a key. Other pods of the monitoring namespace reach nothing.
         if serves:
-            assert allowed(MONITORING_NS, 9400) and allowed(MONITORING_NS, 8000), where
-        for port in INTERNAL_PORTS:
+            assert allowed(MONITORING_NS, 9400, prometheus), where
+        for port in (8000, *INTERNAL_PORTS):
+            assert not allowed(MONITORING_NS, port, prometheus), (where, port)
+        for port in (8000, 9400, *INTERNAL_PORTS):
             assert not allowed(MONITORING_NS, port), (where, port)
         # The group's internal ports: only from pods of the same group.
         for other, template2 in _pod_templates(objs):
@@ -673,6 +686,18 @@ def test_network_policies_admit_only_gateway_monitoring_and_the_group(overlay):
                 assert allowed("vlaunch", port, peer), (where, other, port)
                 assert not allowed("vlaunch", port, stranger), (where, other, port)
                 assert not allowed("default", port, peer), (where, other, port)
+
+
+def test_the_scraped_exporter_relays_vllms_metrics(overlay):
+    """Prometheus reaches only the exporter, so each serving container must tell the exporter
+    to relay vLLM's page (the dashboard and alerts read vllm:* series)."""
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        server = _container(template["spec"], "vllm")
+        if "metrics" not in {p["name"] for p in server.get("ports", [])}:
+            continue
+        env = {e["name"]: e.get("value") for e in server.get("env", [])}
+        assert env.get("VLAUNCH_METRICS_RELAY") == "1", where
 
 
 def test_network_policy_check_is_not_vacuous():

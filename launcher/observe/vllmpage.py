@@ -64,6 +64,7 @@ class VllmSnapshot:
     error: str | None = None
     duration_s: float = 0.0
     dropped: dict[str, int] = field(default_factory=dict)  # series left out, by reason
+    relayed: bytes | None = None  # vLLM's whole page, when the exporter relays it
 
 
 
@@ -85,7 +86,10 @@ class VllmPage:
     """
 
     def __init__(self, max_line: int = MAX_LINE_BYTES,
-                 max_series: int = MAX_SERIES_PER_FAMILY) -> None:
+                 max_series: int = MAX_SERIES_PER_FAMILY, keep_raw: bool = False) -> None:
+        # The whole page as sent, for the exporter to relay (bounded by the client's
+        # MAX_BODY_BYTES); None when not relaying.
+        self.raw: bytearray | None = bytearray() if keep_raw else None
         self.max_line = max_line
         self.max_series = max_series
         self.lines: list[str] = []
@@ -103,6 +107,8 @@ class VllmPage:
         return page
 
     def feed(self, chunk: bytes) -> None:
+        if self.raw is not None:
+            self.raw += chunk
         if self._skipping:  # inside an over-long line: discard up to its end
             nl = chunk.find(b"\n")
             if nl < 0:
@@ -232,5 +238,17 @@ def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
         sample.capacity_tokens = tokens
         sample.capacity_bytes = _int_label(labels.get("kv_cache_memory_bytes"))
         sample.max_concurrency = _float_label(labels.get("kv_cache_max_concurrency"))
-    return VllmSnapshot(ok=True, engines=engines, start_time=start_time, dropped=dropped)
+    return VllmSnapshot(ok=True, engines=engines, start_time=start_time, dropped=dropped,
+                        relayed=relayable(bytes(page.raw)) if page.raw is not None else None)
+
+
+_OURS = re.compile(rb"^(?:# (?:HELP|TYPE) )?vlaunch_[^\n]*\n?", re.MULTILINE)
+
+
+def relayable(raw: bytes) -> bytes:
+    """vLLM's page as the exporter relays it after its own families: any `vlaunch_*` line
+    dropped (a family must appear once in a page, and ours are the exporter's to say), and
+    ending in a newline so the two pages join line by line."""
+    text = _OURS.sub(b"", raw)
+    return text if not text or text.endswith(b"\n") else text + b"\n"
 

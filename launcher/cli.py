@@ -425,7 +425,11 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
 
         capacity_plot(d, plot_path)
     if fmt == "json":
-        click.echo(json.dumps(d, indent=2))
+        try:  # JSON has no Infinity or NaN: a parser downstream would refuse the file
+            click.echo(json.dumps(d, indent=2, allow_nan=False))
+        except ValueError:
+            raise InputError("the capacity figures overflow (a load or price too large to "
+                             "count); give a smaller --rps, --users or --price") from None
     else:
         from . import term
 

@@ -29,6 +29,13 @@ HOURS_PER_MONTH = 730
 NODE_SHAPES = (1, 2, 4, 8)
 
 
+# Bounds on the load, far above any one deployment (the largest public APIs serve on the
+# order of 1e5 requests/s across their fleets), low enough that replicas x price stays a
+# finite number: --rps 1e308 once wrote Infinity into the JSON (issue 31).
+MAX_RPS = 1e7
+MAX_USERS = 10**9
+
+
 @dataclass(frozen=True)
 class Load:
     """Closed loop (`users`: each with one request in flight) or open loop (`rps`)."""
@@ -39,10 +46,12 @@ class Load:
     def validate(self) -> None:
         if (self.users is None) == (self.rps is None):
             raise InputError("give exactly one of --users N or --rps R")
-        if self.users is not None and self.users < 1:
-            raise InputError(f"--users must be a positive number of users, got {self.users}")
-        if self.rps is not None and not (self.rps > 0 and math.isfinite(self.rps)):
-            raise InputError(f"--rps must be a positive request rate, got {self.rps}")
+        if self.users is not None and not 1 <= self.users <= MAX_USERS:
+            raise InputError(f"--users must be a number of users from 1 to {MAX_USERS:,}, got "
+                             f"{self.users:.3g}")
+        if self.rps is not None and not (0 < self.rps <= MAX_RPS):  # NaN fails both
+            raise InputError(f"--rps must be a request rate above 0 and at most {MAX_RPS:,.0f}, "
+                             f"got {self.rps:.3g}")
 
     def describe(self) -> str:
         return (f"{self.users:,} users, one request each in flight" if self.users is not None

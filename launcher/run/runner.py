@@ -227,6 +227,7 @@ class VllmRunner:
             raise
         self._group = ProcessGroup(self._proc.pid, self.grace_period)
         self._group.start_watchdog()
+        self._group.track()  # descendants that leave the group are stopped with it
         self._set_phase("starting")
         assert self._proc.stdout is not None
         self.output.start(self._proc.stdout)

@@ -812,3 +812,28 @@ def test_image_python_dependencies_are_pinned_by_constraints():
     text = DOCKERFILE.read_text()
     assert re.search(r"PIP_CONSTRAINT=\S*constraints\.txt python3 -m pip install", text)
     assert "COPY deploy/constraints.txt" in text
+
+
+def test_init_containers_share_no_scratch_with_the_server_and_have_a_memory_limit(overlay):
+    """Issue 31: /tmp was one emptyDir for the init containers and the server, so what the
+    planner (or a hostile Hub reply it fetched) left there reached vLLM's scratch; and the plan
+    container had no memory limit. Only the plan handoff (read-only in the server) and the
+    model volume are shared."""
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        main = {m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        for init in spec.get("initContainers", []):
+            for m in init.get("volumeMounts", []):
+                if m["name"] in main:
+                    assert m["name"] in ("plan", "models"), (where, init["name"], m["name"])
+                if m["mountPath"] == "/tmp":
+                    assert "emptyDir" in volumes[m["name"]], where
+        for c in spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                if m["name"] == "plan":
+                    assert m.get("readOnly") is True, (where, c["name"])
+        plan = _container(spec, "plan", init=True)
+        limit = (plan.get("resources", {}).get("limits") or {}).get("memory")
+        assert limit and limit == plan["resources"]["requests"]["memory"], where

@@ -21,22 +21,19 @@ class _Group(click.Group):
         from .printable import guarded
 
         with guarded():  # nothing from a config, log or plan drives the terminal (printable.py)
-            return self._invoke(ctx)
-
-    def _invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except InputError as e:
-            click.echo(f"vlaunch: error: {e}", err=True)
-            ctx.exit(e.exit_code)
-        except NotFitError as e:
-            click.echo(f"vlaunch: {e}", err=True)
-            ctx.exit(e.exit_code)
-        except OSError as e:  # a path the user gave that cannot be read or written
-            where = f" {e.filename}" if e.filename else ""
-            click.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the path "
-                       "and its permissions", err=True)
-            ctx.exit(2)
+            try:
+                return super().invoke(ctx)
+            except InputError as e:
+                click.echo(f"vlaunch: error: {e}", err=True)
+                ctx.exit(e.exit_code)
+            except NotFitError as e:
+                click.echo(f"vlaunch: {e}", err=True)
+                ctx.exit(e.exit_code)
+            except OSError as e:  # a path the user gave that cannot be read or written
+                where = f" {e.filename}" if e.filename else ""
+                click.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the "
+                           "path and its permissions", err=True)
+                ctx.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -106,16 +103,11 @@ def gpus_cmd(fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(inv.to_dict(), indent=2))
     else:
-        from .printable import printable, raw
+        from .printable import colour_only, raw
 
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        if not color:
-            click.echo(inventory.render_table(inv, color=False, width=width()))
-        else:  # colour is escapes: the table's own, over printable fields, to the real stdout
-            plain = inventory.render_table(inv, color=False, width=width())
-            coloured = inventory.render_table(inv, color=True, width=width())
-            ok = printable(plain) == plain  # NVML text with escapes of its own: no colour
-            click.echo(coloured if ok else plain, file=raw(sys.stdout), color=ok)
+        text = inventory.render_table(inv, color=color, width=width())
+        click.echo(colour_only(text), file=raw(sys.stdout) if color else sys.stdout, color=color)
 
 
 def _hardware(gpus: str | None):
@@ -404,7 +396,6 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     Each option's replica is the plan `vlaunch plan` makes for it. Exit 0 with a
     recommendation, 3 when no option meets the SLO (naming the closest miss), 2 for bad input.
     """
-    import json
 
     from .inputs.model import load_model
     from .predict import capacity
@@ -425,11 +416,7 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
 
         capacity_plot(d, plot_path)
     if fmt == "json":
-        try:  # JSON has no Infinity or NaN: a parser downstream would refuse the file
-            click.echo(json.dumps(d, indent=2, allow_nan=False))
-        except ValueError:
-            raise InputError("the capacity figures overflow (a load or price too large to "
-                             "count); give a smaller --rps, --users or --price") from None
+        click.echo(capacity.to_json(d))
     else:
         from . import term
 

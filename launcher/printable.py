@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-__all__ = ["Printable", "guarded", "one_line", "printable", "raw"]
+__all__ = ["Printable", "colour_only", "guarded", "one_line", "printable", "raw"]
 
 # A CSI sequence (colour, cursor move, clear) goes whole: it is short and well formed, and its
 # remnant ("[2J") would only be noise. Any other escape loses its introducer (ESC, the C1
@@ -39,6 +39,21 @@ def printable(text: str) -> str:
     if text.isprintable():  # the common case: nothing to do (newlines are not printable)
         return text
     return _CONTROL.sub("", _SEQUENCE.sub("", text))
+
+
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def colour_only(text: str) -> str:
+    """`printable` text that keeps SGR colour codes (ESC [ digits m) and nothing else: for a
+    table that colours itself, written to `raw` so the codes reach the terminal. A colour code
+    cannot move the cursor, clear the screen or retitle the window."""
+    parts = _COLOUR.split(text)
+    codes = _COLOUR.findall(text)
+    out = [printable(parts[0])]
+    for code, part in zip(codes, parts[1:], strict=True):
+        out += [code, printable(part)]
+    return "".join(out)
 
 
 def one_line(text: str, limit: int = 200) -> str:

@@ -326,3 +326,15 @@ def miss_message(d: dict[str, Any]) -> str:
             f"{slo['tpot_ms']:.0f} ms); closest: {m['gpus']} ({m['parallel']['label']}), one "
             f"request alone sees TPOT {one['tpot_ms']:.1f} ms, TTFT {one['ttft_ms']:,.0f} ms; "
             "relax --slo or shorten the workload")
+
+
+def to_json(d: dict[str, Any]) -> str:
+    """The capacity document as JSON, which has no Infinity or NaN (a parser downstream would
+    refuse the file): a figure that overflowed is one line, never written."""
+    import json
+
+    try:
+        return json.dumps(d, indent=2, allow_nan=False)
+    except ValueError:
+        raise InputError("the capacity figures overflow (a load or price too large to count); "
+                         "give a smaller --rps, --users or --price") from None

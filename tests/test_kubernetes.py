@@ -283,7 +283,15 @@ def test_serving_containers_have_health_probes_and_ports(overlay):
         server = _container(spec, "vllm")
         ports = {p["name"]: p["containerPort"] for p in server.get("ports", [])}
         if where.endswith("workerTemplate"):
-            assert "http" not in ports  # headless: nothing to probe or load-balance
+            assert "http" not in ports  # headless: no API to load-balance
+            # ... but probed on its exporter's page (issue 31: workers had no probes)
+            assert ports == {"metrics": 9400}, where
+            for probe in ("startupProbe", "livenessProbe"):
+                get = server[probe]["httpGet"]
+                assert get["path"] == "/metrics" and ports[get["port"]] == 9400, (where, probe)
+            args = _argv(server)
+            assert args[args.index("--metrics-port") + 1] == "9400", where
+            assert args[args.index("--metrics-bind") + 1] == "0.0.0.0", where
             continue
         serving += 1
         assert ports == {"http": 8000, "metrics": 9400}, where
@@ -694,8 +702,8 @@ def test_the_scraped_exporter_relays_vllms_metrics(overlay):
     _, objs = overlay
     for where, template in _pod_templates(objs):
         server = _container(template["spec"], "vllm")
-        if "metrics" not in {p["name"] for p in server.get("ports", [])}:
-            continue
+        if "http" not in {p["name"] for p in server.get("ports", [])}:
+            continue  # a headless worker: nothing to relay
         env = {e["name"]: e.get("value") for e in server.get("env", [])}
         assert env.get("VLAUNCH_METRICS_RELAY") == "1", where
 

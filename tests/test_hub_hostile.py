@@ -371,3 +371,34 @@ def test_negative_or_nonsense_parameter_counts_from_the_hub_are_refused(
     hostile.info_extra = {"safetensors": {"parameters": params, "total": 1}}
     line = _one_line(["acme/x"])
     assert "parameter count" in line or "parameters" in line
+
+
+def test_a_real_sized_shard_is_asked_about_and_read_by_range_not_refused(hostile: Hostile) -> None:
+    """The caps count bytes sent, not the size a HEAD reply declares: huggingface_hub asks
+    whether a 16 GiB model.safetensors exists (HEAD), then reads its header by range."""
+    import struct
+
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [1000, 256],
+                               "data_offsets": [0, 512000]}}).encode()
+    head = struct.pack("<Q", len(header)) + header
+    size = 16 << 30
+
+    def shard(handler: BaseHTTPRequestHandler) -> None:
+        rng = handler.headers.get("range") or ""
+        if handler.command == "HEAD" or not rng:
+            _send_headers(handler, size)
+            return  # a GET without a range would be a download of weights: never sent
+        lo, hi = (int(x) for x in rng.split("=")[1].split("-"))
+        part = (head + b"\0" * 512000)[lo:hi + 1]
+        handler.send_response(206)
+        handler.send_header("Content-Range", f"bytes {lo}-{lo + len(part) - 1}/{size}")
+        handler.send_header("Content-Length", str(len(part)))
+        handler.send_header("X-Repo-Commit", GOOD_SHA)
+        handler.send_header("ETag", '"shard"')
+        handler.end_headers()
+        handler.wfile.write(part)
+
+    hostile.files["model.safetensors"] = b""
+    hostile.senders["model.safetensors"] = shard
+    model = hub.fetch("acme/x")
+    assert model.params_by_dtype == {"BF16": 256_000}

@@ -126,7 +126,10 @@ def _on_response(response: Any) -> None:
         raise InputError(f"the Hub at {budget.where} sent {_short(url)} compressed "
                          f"({encoding[:20]}) though asked not to; check HF_ENDPOINT")
     declared = response.headers.get("content-length", "")
-    if declared.strip().isdigit() and int(declared) > MAX_REPLY_BYTES:
+    # A HEAD reply has no body: its length is the file's (a 16 GB shard's, when huggingface_hub
+    # asks whether model.safetensors exists), not bytes that will be sent.
+    if response.request.method != "HEAD" and declared.strip().isdigit() \
+            and int(declared) > MAX_REPLY_BYTES:
         response.close()  # refused before a byte of the body is read
         budget.spend(int(declared), int(declared), url)
     response.stream = _counted(response.stream, budget, url)

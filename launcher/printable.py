@@ -35,9 +35,13 @@ _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u20
 
 
 def printable(text: str) -> str:
-    """`text` without escape sequences or control characters; tabs and newlines kept."""
+    """`text` without escape sequences or control characters; tabs and newlines kept, a
+    carriage return made a newline."""
     if text.isprintable():  # the common case: nothing to do (newlines are not printable)
         return text
+    # A carriage return writes over what came before on its line: as a new line instead,
+    # nothing is hidden (a progress bar's updates show one per line).
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     return _CONTROL.sub("", _SEQUENCE.sub("", text))
 
 

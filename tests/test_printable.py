@@ -46,12 +46,13 @@ def test_printable_keeps_every_printable_character_and_no_control() -> None:
         s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
         out = printable(s)
         assert not OBEYED.search(out), repr(s)
-        assert _subsequence(out, s) and printable(out) == out
-        kept = "".join(c for c in s if c.isprintable() or c in "\n\t")
-        assert _subsequence(out, kept)
+        lines = s.replace("\r\n", "\n").replace("\r", "\n")  # nothing overwritten
+        assert _subsequence(out, lines) and printable(out) == out
+        kept = "".join(c for c in lines if c.isprintable() or c in "\n\t")
+        assert _subsequence(out, kept) and out.count("\n") == lines.count("\n")
         assert "\n" not in one_line(s) and not OBEYED.search(one_line(s))
     assert printable("plain text\n\tindented") == "plain text\n\tindented"
-    assert printable(ATTACK) == "]0;pwnedFITS"
+    assert printable(ATTACK) == "]0;pwnedFITS\n"
 
 
 def _clean(output: str) -> None:
@@ -104,4 +105,4 @@ def test_the_termination_log_holds_no_escape(tmp_path: Path) -> None:
     assert write_termination_message(f"plan for {ATTACK}\nline two", p)
     text = p.read_text()
     _clean(text)
-    assert text == "plan for ]0;pwnedFITS\nline two"
+    assert text == "plan for ]0;pwnedFITS\n\nline two"

@@ -226,3 +226,14 @@ def test_emitting_into_a_world_writable_folder_is_warned_about(tmp_path: Path) -
     os.chmod(out / "plan.json", 0o666)
     r = CliRunner().invoke(cli, ["exec", "--plan", str(out), "--dry-run"])
     assert "writable by every user" in r.stderr
+
+
+@pytest.mark.parametrize("command", [["exec", "--plan", "{plan}", "--dry-run"],
+                                     ["doctor", "{log}", "--plan", "{plan}"]])
+def test_a_plan_nested_100000_deep_is_one_line(tmp_path: Path, command: list[str]) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text("[" * 100_000 + "]" * 100_000)
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO nothing happened\n")
+    r = CliRunner().invoke(cli, [a.format(plan=plan, log=log) for a in command])
+    _one_line(r, "not valid JSON")

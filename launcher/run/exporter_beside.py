@@ -11,11 +11,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..deployment.plan import Deployment
 from ..predict.budget import GiB
 from .emit import startup_deadline_s
 
 
-def start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,
+def start_exporter(base_url: str, plan: Deployment, port: int, bind: str,
                     out: Callable[[str], None], startup_timeout: float | None = None):
     """The exporter beside a start: its "starting" phase lasts as long as this attempt may
     (a user's longer --startup-timeout must not end it early and fire VlaunchEngineDown)."""

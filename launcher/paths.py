@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -93,8 +92,10 @@ def report_corrupt(path: Path, why: str) -> None:
     if str(path) in _REPORTED:
         return
     _REPORTED.add(str(path))
-    print(f"vlaunch: warning: cache {path}: {why}; ignored, never trusted (delete the file to "
-          "start afresh)", file=sys.stderr)
+    from .term import echo  # the presentation layer: plain unless stderr is a terminal
+
+    echo(f"vlaunch: warning: cache {path}: {why}; ignored, never trusted (delete the file to "
+         "start afresh)", err=True)
 
 
 MAX_SMALL_FILE = 16 << 20
@@ -230,8 +231,10 @@ def warn_if_foreign(path: str | os.PathLike[str]) -> bool:
         who = "is writable by every user"
     if who is None:
         return False
-    print(f"vlaunch: warning: {path} {who}; whoever can write it chooses what vlaunch runs "
-          "(chmod o-w, or keep plans in a folder only you can write)", file=sys.stderr)
+    from .term import echo
+
+    echo(f"vlaunch: warning: {path} {who}; whoever can write it chooses what vlaunch runs "
+         "(chmod o-w, or keep plans in a folder only you can write)", err=True)
     return True
 
 
@@ -249,8 +252,10 @@ def warn_if_open_folder(folder: str | os.PathLike[str]) -> bool:
         return False
     sticky = " (sticky: others cannot replace your files, but can plant other names)" \
         if st.st_mode & stat.S_ISVTX else ""
-    print(f"vlaunch: warning: {folder} is writable by every user{sticky}; write plans to a "
-          "folder only you can write (chmod o-w)", file=sys.stderr)
+    from .term import echo
+
+    echo(f"vlaunch: warning: {folder} is writable by every user{sticky}; write plans to a "
+         "folder only you can write (chmod o-w)", err=True)
     return True
 
 

@@ -8,8 +8,9 @@ printed a fake "FITS" over the real verdict (issue 31, M4). Stripping at each fi
 the next field added, so the command line strips once, at the edge: while a command runs,
 stdout and stderr are `Printable` streams (`guarded()`), and every character written passes
 `printable()`. JSON output is unchanged by it: json.dumps already escapes every control
-character. The few writers that mean an escape (tune's one-line progress, the coloured GPU
-table) write to `raw(stream)` what they built from `printable` text.
+character. term.echo and term.status clean their text with `printable` (term.clean), then add
+their own colour codes or carriage return and write to `raw(stream)`: those are the only
+escapes that reach the terminal.
 
 Kept separate from term.py (layout) so whichever module draws the text can call it.
 """
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-__all__ = ["Printable", "colour_only", "guarded", "one_line", "printable", "raw"]
+__all__ = ["Printable", "guarded", "one_line", "printable", "raw"]
 
 # A CSI sequence (colour, cursor move, clear) goes whole: it is short and well formed, and its
 # remnant ("[2J") would only be noise. Any other escape loses its introducer (ESC, the C1
@@ -43,21 +44,6 @@ def printable(text: str) -> str:
     # nothing is hidden (a progress bar's updates show one per line).
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     return _CONTROL.sub("", _SEQUENCE.sub("", text))
-
-
-_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def colour_only(text: str) -> str:
-    """`printable` text that keeps SGR colour codes (ESC [ digits m) and nothing else: for a
-    table that colours itself, written to `raw` so the codes reach the terminal. A colour code
-    cannot move the cursor, clear the screen or retitle the window."""
-    parts = _COLOUR.split(text)
-    codes = _COLOUR.findall(text)
-    out = [printable(parts[0])]
-    for code, part in zip(codes, parts[1:], strict=True):
-        out += [code, printable(part)]
-    return "".join(out)
 
 
 def one_line(text: str, limit: int = 200) -> str:

@@ -243,3 +243,32 @@ def test_replan_plans_for_the_memory_free_now(tmp_path, monkeypatch):
 
     monkeypatch.setattr(inventory, "detect_hardware", no_gpu)
     assert live_hardware(dep, planned) == planned
+
+
+@pytest.mark.parametrize("name,gpus,pin,objective", CASES[::3])
+def test_a_reasons_numbers_are_the_plans(name, gpus, pin, objective):
+    """`data` carries the figures the text shows, and they are the engine's own values."""
+    d = _deployment(name, gpus, pin, objective)
+    e = d.engine
+    engine_value = {"max_model_len": e.max_model_len, "max_num_seqs": e.max_num_seqs,
+                    "max_num_batched_tokens": e.max_num_batched_tokens,
+                    "gpu_memory_utilization": e.gpu_memory_utilization,
+                    "kv_cache_dtype": e.kv_cache_dtype}
+    codes = [r.code for r in d.reasons]
+    assert codes.count("layout") <= 1 and "search.counts" in codes
+    for r in (*d.reasons, *d.warnings, *d.suggestions):
+        assert r.code and r.text.strip(), r
+        json.dumps(r.data)  # JSON values only
+        flag = r.code.split(".")[0]
+        value = r.data.get("value")
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            assert f"{value:,}" in r.text, r
+        elif isinstance(value, float):
+            assert f"{value:.2f}" in r.text, r
+        if flag in engine_value and d.fits and r.code.endswith(("pinned", "default", "full",
+                                                                "largest", "lowered")):
+            assert value == pytest.approx(engine_value[flag], abs=5e-5), r
+    search = next(r for r in d.reasons if r.code == "search.counts")
+    assert search.data == {"judged": d.candidates.judged, "timed": d.candidates.timed}

@@ -37,7 +37,6 @@ step itself verifies 1 + k tokens and runs k one-layer draft passes (`perf.decod
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -287,13 +286,6 @@ class Decision:
     @property
     def tokens_per_step(self) -> float:
         return self.acceptance.tokens_per_step(self.k) if self.acceptance and self.k else 1.0
-
-    def config_json(self) -> str:
-        return json.dumps({"method": self.method, "num_speculative_tokens": self.k},
-                          separators=(",", ":"))
-
-    def vllm_args(self) -> list[str]:
-        return ["--speculative-config", self.config_json()] if self.enabled else []
 
     def to_dict(self) -> dict[str, Any]:
         a = self.acceptance

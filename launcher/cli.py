@@ -560,9 +560,11 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
 
     from .deployment.codec import dump
     from .run.emit import load_plan
+    from .run.exec_plan import check_runnable
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     dep = load_plan(plan_path)  # one line naming a missing or mistyped field, exit 2
+    check_runnable(dep)  # an environment or flag `vlaunch plan` never writes: exit 2
     d = dump(dep)
     if dep.engine.parallel.nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
         from pathlib import Path

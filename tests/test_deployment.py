@@ -272,3 +272,20 @@ def test_a_reasons_numbers_are_the_plans(name, gpus, pin, objective):
             assert value == pytest.approx(engine_value[flag], abs=5e-5), r
     search = next(r for r in d.reasons if r.code == "search.counts")
     assert search.data == {"judged": d.candidates.judged, "timed": d.candidates.timed}
+
+
+@pytest.mark.parametrize("env", [{"LD_PRELOAD": "/tmp/x.so"}, {"VLLM_PLUGINS": "evil"},
+                                 {"PATH": "/tmp"}])
+def test_exec_refuses_an_environment_vlaunch_plan_never_writes(tmp_path, env):
+    from click.testing import CliRunner
+
+    from launcher.cli import cli
+
+    _emitted(tmp_path / "good")
+    j = json.loads((tmp_path / "good" / "plan.json").read_text())
+    j["pools"][0]["env"].update(env)
+    (tmp_path / "plan.json").write_text(json.dumps(j))
+    r = CliRunner().invoke(cli, ["exec", "--plan", str(tmp_path / "plan.json"), "--dry-run",
+                                 "--no-metrics"])
+    assert r.exit_code == 2, r.output
+    assert "never writes" in r.output and len(r.output.strip().splitlines()) == 1

@@ -48,7 +48,8 @@ _NODE_FLAGS = (
 # write it must not be able to choose what runs). The planner writes only VLLM_ tuning variables
 # (launcher/predict/planner.py Plan.env) and the flags below (Plan.vllm_args, serving_flags,
 # ep_backend, speculative); anything else is refused, not dropped, so a tampered plan fails
-# loudly. Single-node `exec` re-plans from the plan's fields and never runs its argv.
+# loudly. Single-node `exec` runs the typed plan: its argv is built from the engine's fields
+# and its environment passes the same check (run/exec_plan.py check_runnable).
 PLAN_ENV_PREFIXES = ("VLLM_",)
 # VLLM_ names that load code, relax deserialization, open debug endpoints, move files or
 # carry secrets (vllm/envs.py): never from a plan, even with the right prefix.

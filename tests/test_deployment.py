@@ -115,6 +115,8 @@ def good() -> dict:
     (lambda j: j["pools"][0]["vllm_args"].append("--trust-remote-code"),
      "`pools[0].vllm_args` differ from the arguments its `pools[0].engine` gives"),
     (lambda j: j["pools"][0]["engine"].update(gpu_memory_utilization=1.5), "in (0, 1]"),
+    (lambda j: j["pools"][0]["engine"].update(kv_cache_memory_bytes=-1),
+     "`pools[0].engine.kv_cache_memory_bytes` is -1"),
     (lambda j: j["reasons"].append("a string"), "`reasons[")
 ])
 def test_bad_plan_json_is_one_line(good, edit, says):

@@ -67,6 +67,7 @@ def _decide() -> None:
 
 
 def main() -> int:
+    from .inputs import vllm_flags as F
     from .run.tinymodel import ensure_tiny_model
 
     _decide()
@@ -76,7 +77,7 @@ def main() -> int:
     workdir = Path(os.environ.get("VLAUNCH_DEMO_DIR", ".cache/demo"))
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "launcher.cli", "serve", str(model), "--gpus", "cpu",
-           "--kv-cache-memory-bytes", str(256 << 20), "--metrics-port", "0",
+           F.BY_DEST["kv_cache_memory_bytes"].pin.option, str(256 << 20), "--metrics-port", "0",
            "--log-dir", str(workdir)]
     print("demo: $ vlaunch " + " ".join(cmd[3:]), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -286,6 +286,7 @@ def test_exec_refuses_an_environment_vlaunch_plan_never_writes(tmp_path, env):
     _emitted(tmp_path / "good")
     j = json.loads((tmp_path / "good" / "plan.json").read_text())
     j["pools"][0]["env"].update(env)
+    j["env"].update(env)  # the summary key says the same (else the codec refuses the edit)
     (tmp_path / "plan.json").write_text(json.dumps(j))
     r = CliRunner().invoke(cli, ["exec", "--plan", str(tmp_path / "plan.json"), "--dry-run",
                                  "--no-metrics"])

@@ -2,16 +2,15 @@
 
 `engine_values` lists each vLLM flag's value by its vLLM dest name, in the order the argv
 has always had (None or False: not passed, vLLM's default holds); `engine_argv` writes them.
-The writing is the flag table's job (issue 32 point 2, `inputs/vllm_flags.argv` takes exactly
-these (dest, value) pairs); `_write` is its stand-in until the table is merged here.
+The writing is the flag table's job (`inputs/vllm_flags.argv` takes exactly these (dest, value)
+pairs): no flag is spelt here.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from typing import Any
 
+from ..inputs import vllm_flags
 from .plan import EngineConfig
 
 
@@ -53,24 +52,6 @@ def engine_values(e: EngineConfig) -> list[tuple[str, Any]]:
     ]
 
 
-def _write(values: Iterable[tuple[str, Any]]) -> list[str]:
-    """(dest, value) pairs as argv: True is a bare switch, None/False are left out."""
-    out: list[str] = []
-    for dest, value in values:
-        if value is None or value is False:
-            continue
-        name = "--" + dest.replace("_", "-")
-        if value is True:
-            out.append(name)
-        elif isinstance(value, float):
-            out += [name, f"{value:.2f}"]  # gpu_memory_utilization, as vLLM logs it
-        elif isinstance(value, dict):
-            out += [name, json.dumps(value, separators=(",", ":"))]
-        else:
-            out += [name, str(value)]
-    return out
-
-
 def engine_argv(e: EngineConfig) -> list[str]:
     """vLLM's arguments for engine `e` (after `vllm serve`)."""
-    return _write(engine_values(e))
+    return vllm_flags.argv(engine_values(e))

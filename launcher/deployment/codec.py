@@ -271,4 +271,16 @@ def load(raw: Any) -> P.Deployment:
                          f"typed deployments; {FIX}")
     d = build(P.Deployment, raw, "")
     _check(d, raw)
+    _check_derived(d, raw)
     return d
+
+
+def _check_derived(d: P.Deployment, raw: dict[str, Any]) -> None:
+    """The top-level keys scripts read (`vllm_args`, `serving`, `kv_cache`, ...) are written
+    from the pools; a file where one differs from what its pools give was edited by hand, and
+    `exec` would otherwise run the pools and silently ignore the edit (issue 31: a tampered plan
+    fails loudly)."""
+    for key, want in dump(d).items():
+        if key != "pools" and key in raw and raw[key] != want:
+            raise InputError(f"the plan's `{key}` differs from what its `pools` give (a hand "
+                             f"edit?); edit `pools`, not the summary keys, or {FIX}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
+from ..inputs import vllm_flags
 from ..inputs.hardware import GiB, MiB
 from .serving_flags import at_least, table
 
@@ -117,7 +118,7 @@ class Choice:
     def vllm_args(self) -> list[str]:
         if not self.applies or not self.backend or self.backend == self.default:
             return []
-        return ["--all2all-backend", self.backend] if self.style == "flag" else []
+        return vllm_flags.argv({"all2all_backend": self.backend if self.style == "flag" else None})
 
     def env(self) -> dict[str, str]:
         if not self.applies or not self.backend or self.backend == self.default:

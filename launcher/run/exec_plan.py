@@ -15,22 +15,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..deployment.argv import engine_argv
 from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs.hardware import GiB, Hardware
-
-
-def check_runnable(dep: Deployment) -> None:
-    """Refuse (one line, exit 2) a plan whose engine or environment `vlaunch plan` could not
-    have written: plan.json lies on a shared volume, and exec now runs it as it is. The argv is
-    built from the typed engine (the codec refused one that differs from it); the environment
-    passes multi-node exec's allow-list (run/multinode.py check_plan_env)."""
-    from .multinode import check_plan_env, check_plan_flags
-
-    for pool in dep.pools:
-        check_plan_env(pool.env)
-        check_plan_flags(engine_argv(pool.engine))
 
 
 def live_misfit(dep: Deployment) -> str | None:

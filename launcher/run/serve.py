@@ -37,6 +37,7 @@ from ..deployment.argv import engine_argv
 from ..deployment.codec import dump
 from ..deployment.plan import Deployment
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.vllm_failures import classify
@@ -99,7 +100,7 @@ def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra:
     fix = replan_pins(pins, plan, failure)
     if fix is not None:
         new_pins, why = fix
-        new_extra = drop_flag(extra, "--max-model-len") if new_pins.max_model_len else extra
+        new_extra = drop_flag(extra, F.flag("max_model_len")) if new_pins.max_model_len else extra
         if (new_pins, new_extra) != (pins, extra):
             return new_pins, new_extra, why, False
     if failure.transient and not transient_retried:
@@ -135,9 +136,8 @@ def verification_table(plan: Deployment, actual: Any) -> tuple[list[str], dict[s
 
 
 DRY_RUN_PORT = 8000  # vLLM's default --port (entrypoints/launchers/cli_args.py, 0.32.0)
-PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
-                  ("pp", ("--pipeline-parallel-size", "-pp")),
-                  ("dp", ("--data-parallel-size", "-dp")))
+PARALLEL_FLAGS = (("tp", "tensor_parallel_size"), ("pp", "pipeline_parallel_size"),
+                  ("dp", "data_parallel_size"))
 """vLLM flags that change how many GPUs an engine needs: after `--` they are pins for the
 planner, never passed through behind its back (issue 13, item 7)."""
 
@@ -146,18 +146,18 @@ def parallel_flags(extra: list[str]) -> dict[str, tuple[str, int]]:
     """{pin: (flag as given, value)} for the layout flags in `extra`; InputError when a value
     is not a positive whole number."""
     found: dict[str, tuple[str, int]] = {}
-    for key, names in PARALLEL_FLAGS:
-        for name in names:
-            raw = arg_value(extra, name)
-            if raw is None:
-                continue
-            try:
-                value = int(raw)
-            except ValueError:
-                value = 0
-            if value < 1:
-                raise InputError(f"{name} {raw!r} after --: expected a whole number >= 1")
-            found[key] = (name, value)
+    parsed = F.parse(extra)
+    for key, dest in PARALLEL_FLAGS:
+        if dest not in parsed.values:
+            continue
+        raw, name = parsed.values[dest], parsed.given[dest]
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            value = 0
+        if value < 1:
+            raise InputError(f"{name} {raw!r} after --: expected a whole number >= 1")
+        found[key] = (name, value)
     return found
 
 
@@ -173,9 +173,9 @@ def pins_from_extra(pins: Pins, extra: list[str]) -> tuple[Pins, list[str], list
             raise InputError(f"--{key} {mine} (pinned) and {name} {value} after -- disagree; "
                              "give one")
         pins = dataclasses.replace(pins, **{key: value})
-        for _, names in PARALLEL_FLAGS:
-            if name in names:
-                for n in names:
+        for _, dest in PARALLEL_FLAGS:
+            if F.spec_of(name) is F.BY_DEST[dest]:
+                for n in F.BY_DEST[dest].names:
                     extra = drop_flag(extra, n)
         notes.append(f"{name} {value} after -- is a pin (--{key} {value}); planned with it")
     return pins, extra, notes
@@ -325,7 +325,7 @@ class _ServeLoop:
         self.original = self.pins
         # One API port for every attempt, so the exporter (up from the start, showing
         # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
-        user_port = arg_value(self.extra, "--port")
+        user_port = arg_value(self.extra, "port")
         # A dry run shows vLLM's default port, not a random free one that the next run would
         # not use either; a real run takes a free port unless one is given.
         self.api_port = int(user_port) if user_port else (
@@ -379,7 +379,8 @@ class _ServeLoop:
             runner = VllmRunner(args, env=env)
             # what is shown and returned (--format json) never holds a key
             self.result.command, self.result.env = redact_args(runner.argv), redact_env(env)
-            how = "--port" if self.user_port else "vLLM's default; a real run takes a free one"
+            how = (F.flag("port") if self.user_port
+                   else "vLLM's default; a real run takes a free one")
             for line in fit([f"  vlaunch would run (port {self.api_port}, {how}):"], width()):
                 self.out(line)
             for line in command_lines(redact_args(runner.argv), width(), indent="    ",
@@ -396,8 +397,8 @@ class _ServeLoop:
     def _args(self, dep: Deployment) -> list[str]:
         """The plan's vLLM arguments with the user's on top, our port, and a drain on stop."""
         args, notes = merge_args(serve_both_names(engine_argv(dep.engine)), self.extra)
-        if "--port" not in args:
-            args += ["--port", str(self.api_port)]
+        if F.flag("port") not in args:
+            args += [F.flag("port"), str(self.api_port)]
         args = with_host(args, self.host)  # loopback unless the user chose a host
         if not self.result.attempts and (warning := exposure_warning(args, dict(dep.pool.env))):
             self.out(f"vlaunch: {warning}")
@@ -521,7 +522,7 @@ class _ServeLoop:
             given = self.original or self.pins
             self.pins = dataclasses.replace(self.pins, kv_cache_dtype="auto",
                                             max_model_len=given.max_model_len)
-            self.extra = drop_flag(self.extra, "--kv-cache-dtype")
+            self.extra = drop_flag(self.extra, F.flag("kv_cache_dtype"))
             return _NEXT
         explain_failure(runner, SimpleNamespace(log_tail=logged.splitlines()[-40:]), self.out)
         return _GIVE_UP
@@ -567,19 +568,20 @@ def node_runner(launch: Any, d: Deployment, *, port: int | None, extra: list[str
         return VllmRunner(launch.argv, env=launch.env, command=[], api=False, echo=echo,
                           log_path=log_path, grace_period=stop_timeout, on_phase=on_phase)
     args = launch.argv[len(program):]
-    args = ["--model", args[0], *args[1:]] if args and not args[0].startswith("-") else args
+    if args and not args[0].startswith("-"):  # `vllm serve MODEL`: the module form wants --model
+        args = [F.flag("model"), args[0], *args[1:]]
     if parallel_flags(extra):
         raise InputError("a multi-node plan's layout is fixed (every node must agree); plan "
                          "again with --tp/--pp/--dp instead of passing them after --")
     args, _ = merge_args(serve_both_names(args), extra)
     if launch.serves_api:
-        if port and "--port" not in args:
-            args += ["--port", str(port)]
+        if port and F.flag("port") not in args:
+            args += [F.flag("port"), str(port)]
         args = with_host(args, host)  # loopback unless the user chose a host
         args = with_drain(args, d.vllm_version, stop_timeout)
     deadline = startup_timeout or startup_deadline_s(d)
     return VllmRunner(args, env=launch.env, echo=echo, log_path=log_path,
-                      command=vllm_command(serve_cli="--headless" in args),
+                      command=vllm_command(serve_cli=F.flag("headless") in args),
                       startup_timeout=deadline, grace_period=stop_timeout, on_phase=on_phase,
                       api=launch.serves_api)
 

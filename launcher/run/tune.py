@@ -129,7 +129,7 @@ def parse_candidate(text: str) -> list[str]:
         raise InputError(f"malformed --candidate {shown!r}: {e}") from None
     if not args or not args[0].startswith("--"):
         raise InputError(f"--candidate {shown!r}: give vLLM flags, e.g. \"--max-num-seqs 16\"")
-    if arg_value(args, "--model") or arg_value(args, "--port"):
+    if arg_value(args, "model") or arg_value(args, "port"):
         raise InputError("--candidate must not set --model or --port (tune sets them)")
     if flags := secret_flags(args):
         # A secret is no tuning knob, and a candidate's flags are printed and saved in
@@ -482,11 +482,11 @@ class Tuner:
         self.progress.line(f"start {n}/{self.opts.max_starts} (rung {rung}): {t.name}")
         if self.opts.verbose:
             self.progress.line("  vllm " + shlex.join(redact_args(t.vllm_args)))
-        if arg_value(t.vllm_args, "--host") and (warning := exposure_warning(t.vllm_args,
+        if arg_value(t.vllm_args, "host") and (warning := exposure_warning(t.vllm_args,
                                                                               t.env)):
             self.progress.line(f"  {warning}")
         env: dict[str, str | None] = dict(t.env)
-        if arg_value(t.vllm_args, "--kv-cache-memory-bytes"):
+        if arg_value(t.vllm_args, "kv_cache_memory_bytes"):
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would replace the pinned bytes
         runner = self.runner_factory(
             list(t.vllm_args), env, log_path=log_path, startup_timeout=self._startup_deadline(t),

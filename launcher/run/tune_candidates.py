@@ -22,6 +22,7 @@ from typing import Any
 from ..deployment.argv import engine_argv
 from ..deployment.plan import Deployment
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
@@ -58,7 +59,7 @@ def flags_key(args: Sequence[str]) -> str:
             name, value = pairs[-1]
             pairs[-1] = (name, f"{value} {a}".strip())
     return " ".join(f"{n}={v}" if v else n for n, v in sorted(p for p in pairs
-                                                                if p[0] != "--port"))
+                                                                if p[0] != F.flag("port")))
 
 
 _PLAN_KW: set[str] | None = None
@@ -110,20 +111,14 @@ def baseline_args(d: Deployment) -> list[str]:
     machine; a lowered GPU utilization is the free memory's, not a tuning choice).
     """
     args = engine_argv(d.engine)
-    keep_value = ("--model", "--served-model-name", "--tensor-parallel-size",
-                  "--pipeline-parallel-size", "--data-parallel-size", "--max-model-len",
-                  "--kv-cache-memory-bytes")
-    out: list[str] = []
-    for name in keep_value:
-        value = arg_value(args, name)
-        if value is not None:
-            out += [name, value]
-    if "--enable-expert-parallel" in args:
-        out.append("--enable-expert-parallel")
-    util = arg_value(args, "--gpu-memory-utilization")
+    keep = ("model", "served_model_name", "tensor_parallel_size", "pipeline_parallel_size",
+            "data_parallel_size", "max_model_len", "kv_cache_memory_bytes")
+    values: dict[str, Any] = {k: arg_value(args, k) for k in keep}
+    values["enable_expert_parallel"] = F.has(args, "enable_expert_parallel")
+    util = arg_value(args, "gpu_memory_utilization")
     if util is not None and abs(float(util) - 0.92) > 1e-6:  # lowered for free memory
-        out += ["--gpu-memory-utilization", util]
-    return out
+        values["gpu_memory_utilization"] = util
+    return F.argv(values)
 
 
 def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: Deployment,

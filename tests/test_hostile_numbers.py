@@ -81,7 +81,10 @@ def test_the_range_check_over_hundreds_of_values() -> None:
     """Property: a value is accepted exactly when it is a finite number inside the flag's
     range (and whole where the flag takes a count)."""
     rng = random.Random(31)
-    for flag, (low, high, whole) in RANGES.items():
+    from launcher.inputs.vllm_flags import flag as flag_of
+
+    for dest, (low, high, whole) in RANGES.items():
+        flag = flag_of(dest)
         for _ in range(100):
             x = rng.choice([rng.uniform(-2, 2) * high, rng.uniform(low, high), low, high,
                             float("inf"), float("nan"), 10.0 ** rng.randint(-30, 30)])

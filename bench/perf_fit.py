@@ -45,21 +45,29 @@ PRIOR = 0.005
 constant stays near what its sources say instead of drifting to a bound."""
 
 
+TTFT_WEIGHT = 0.5
+"""TTFT's mean |log error| counts half as much as TPOT's or tok/s's: its goal is 2.5x looser
+(25% against 10%), most of it is queueing the client sets, and one burst-like row (a wave
+that outgrows the KV cache) sits far from any model of one engine."""
+
+
 def score(constants: perf.Constants, cases: list[perf_validation.Case]
           ) -> tuple[float, float, float]:
     """(objective, median |log err| TPOT, median |log err| tok/s)."""
-    tp, tk, other = [], [], []
+    tp, tk, tt, other = [], [], [], []
     for c in cases:
         got = c.predict(constants)
         for q, v in c.observed.items():
             e = abs(math.log(max(got[q], 1e-12) / v))
-            (tp if q == "tpot_ms" else tk if q == "output_tok_s" else other).append(e)
+            (tp if q == "tpot_ms" else tk if q == "output_tok_s" else
+             tt if q == "ttft_ms" else other).append(e)
     m1 = statistics.median(tp) if tp else 0.0
     m2 = statistics.median(tk) if tk else 0.0
     prior = PRIOR * sum(math.log(max(getattr(constants, n), 1e-9) / v) ** 2
                         for n, v in NOMINAL.items() if v > 0 and getattr(constants, n) > 0)
     mean = statistics.mean
-    body = (mean(tp) if tp else 0.0) + (mean(tk) if tk else 0.0) + (mean(other) if other else 0.0)
+    body = ((mean(tp) if tp else 0.0) + (mean(tk) if tk else 0.0)
+            + (mean(other) if other else 0.0) + TTFT_WEIGHT * (mean(tt) if tt else 0.0))
     return max(m1, m2) * MEDIAN_WEIGHT + body + prior, m1, m2
 
 
@@ -124,9 +132,12 @@ def headline(in_sample: list[perf_validation.PerfResult],
              f"                     {m(in_sample, 'tpot_ms'):>10.1%}",
              f"  output tokens/s     {m(held_out, 'output_tok_s'):>10.1%}"
              f"                     {m(in_sample, 'output_tok_s'):>10.1%}",
+             f"  TTFT                {m(held_out, 'ttft_ms'):>10.1%}"
+             f"                     {m(in_sample, 'ttft_ms'):>10.1%}",
              f"  MTP speed-up        {m(held_out, 'mtp_speedup'):>10.1%}"
              f"                     {m(in_sample, 'mtp_speedup'):>10.1%}",
-             "goal: <= 25% held out on TPOT and on output tokens/s"]
+             "goal held out: TPOT <= 10%, output tokens/s <= 10%, TTFT <= 25% "
+             "(tests/test_perf_accuracy.py fails past 15%, 15%, 40%)"]
     return "\n".join(lines)
 
 
@@ -159,7 +170,7 @@ def main() -> int:
     held = leave_one_source_out(cases)
     print(headline(fitted, held).replace("(shipped)", "(fitted)"))
     print("held-out error spread (10th, 90th percentile) for perf.HELD_OUT_SPREAD:")
-    for q in ("output_tok_s", "tpot_ms"):
+    for q in ("output_tok_s", "tpot_ms", "ttft_ms"):
         lo, hi = spread(held, q)
         print(f"  {q}: ({lo:+.3f}, {hi:+.3f})")
     return 0

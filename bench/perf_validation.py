@@ -47,7 +47,7 @@ one request barely depends on them)."""
 @dataclass
 class PerfResult:
     row_id: str
-    quantity: str  # tpot_ms | output_tok_s | mtp_speedup
+    quantity: str  # tpot_ms | output_tok_s | ttft_ms | mtp_speedup
     predicted: float
     observed: float
     source: str = ""
@@ -185,16 +185,23 @@ def row_cases(row: dict[str, str]) -> list[Case]:
     observed = {}
     tpot = None if burst else first_number(row["tpot_ms_mean"])
     tput = first_number(row["output_tok_s"])
+    # TTFT as the row's own client saw it (the burst rows' is queueing: throughput only)
+    ttft = None if burst or "MEDIAN" in row["ttft_ms_mean"] else first_number(
+        row["ttft_ms_mean"])
     if tpot:
         observed["tpot_ms"] = tpot
     if tput:
         observed["output_tok_s"] = tput
+    if ttft:
+        observed["ttft_ms"] = ttft
     if not observed:
         raise InputError("no TPOT or output throughput measured")
+    prompts = first_number(row.get("num_prompts", "")) or perf.BENCH_PROMPTS
 
     def predict(k: perf.Constants) -> dict[str, float]:
-        p = perf.point(_with(s, k), w, conc)
-        return {"tpot_ms": p.tpot_ms, "output_tok_s": p.output_tokens_per_s}
+        p = perf.point(_with(s, k), w, conc, prompts)
+        return {"tpot_ms": p.tpot_ms, "output_tok_s": p.output_tokens_per_s,
+                "ttft_ms": p.ttft_ms}
 
     return [Case(row["id"], src, observed, predict)]
 
@@ -261,5 +268,6 @@ def table(results: list[PerfResult], skipped: list[tuple[str, str]]) -> str:
         lines.append(f"{row_id[:40]:40} cannot express: {why}")
     lines.append(f"median |error| in sample: TPOT {median_abs(results, 'tpot_ms'):.1%}, "
                  f"output tokens/s {median_abs(results, 'output_tok_s'):.1%}, "
+                 f"TTFT {median_abs(results, 'ttft_ms'):.1%}, "
                  f"MTP speed-up {median_abs(results, 'mtp_speedup'):.1%}")
     return "\n".join(lines)

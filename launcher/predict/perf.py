@@ -11,14 +11,24 @@
   chunk's attention over the whole prefix before it; without chunked prefill (V0) the prompt is
   a step of its own. The steps a prompt rides in are its own TTFT; the time it adds to them is
   what it costs the other requests.
-- TTFT = own prefill + per-request cost + the wait behind OTHER prompts: staggered users
-  (random arrivals) wait rho / (1 - rho) x half a prompt (M/D/1, rho the others' prefill share
-  of engine time); benchmark clients with fixed lengths move in waves, half of the others'
-  prompts before the first token. The others' prompts that do not delay the first token ride
-  in the decode steps (TPOT), so a request's life holds each of them once. A lone request:
-  its own prefill plus fixed costs.
+- TTFT = own prefill + per-request cost + the wait behind OTHER prompts, which depends on the
+  client (CLIENTS; the plan names the one it assumed):
+  - closed-loop: staggered users, each sending its next request when one completes; a request
+    arriving while other prompts are prefilled waits rho / (1 - rho) x half a prompt (M/D/1,
+    rho the others' prefill share of engine time);
+  - bench-synchronised: `vllm bench serve --max-concurrency N` with fixed lengths: N clients
+    start together. A prefill-first scheduler (V0, or no chunked prefill) pauses decodes for
+    prompts, so the clients stay in waves: half the others' prompts land before the first
+    token, every wave. Under chunked prefill only the first wave is one: afterwards client i's
+    next prompt arrives as client i-1's has been prefilled (their finishing steps are as far
+    apart as their first tokens were), so it waits for no other prompt; the first wave's
+    queue is then spread over the run's prompts / N waves;
+  - poisson: open-loop arrivals at a rate; in flight what Little's law gives at that rate.
+  The others' prompts that do not delay the first token ride in the decode steps (TPOT), so
+  a request's life holds each of them once. A lone request: its own prefill plus fixed costs.
 - closed loop: concurrency C gives, by Little's law, C / (TTFT + (output - 1) x TPOT)
-  requests per second; beyond the running limit the rest queue for a slot.
+  requests per second; beyond the running limit the rest queue for a slot. The API servers'
+  serial per-request work (Constants.frontend_us) caps requests/s: tiny outputs hit it.
 """
 
 from __future__ import annotations
@@ -43,7 +53,22 @@ from .step import (
 __all__ = ["DEFAULT", "Constants", "EngineShape", "engine_shape", "touched_fraction", "Point",
            "point", "knee", "curve", "binding", "decode_step_s", "prefill_step_s",
            "prompt_s", "running_limit", "max_running", "open_loop_rate", "Calibration",
-           "scaled", "calibrate", "value_range", "HELD_OUT_SPREAD"]
+           "scaled", "calibrate", "value_range", "HELD_OUT_SPREAD", "CLIENTS", "client_of",
+           "bench_point", "poisson_point", "closed_loop_point", "BENCH_PROMPTS"]
+
+CLIENTS = ("bench-synchronised", "poisson", "closed-loop")
+"""The clients a prediction can assume: benchmark clients started together on fixed lengths
+(`--concurrency`), open-loop Poisson arrivals (`capacity --rps`), staggered users in a closed
+loop (the knee under the SLO, `capacity --users`)."""
+
+BENCH_PROMPTS = 1000
+"""Prompts `vllm bench serve` sends unless told otherwise (benchmarks/datasets/datasets.py
+DEFAULT_NUM_PROMPTS): how many waves a synchronised run spreads its first wave over."""
+
+
+def client_of(w: Workload) -> str:
+    """The client `point` assumes for workload `w`."""
+    return "bench-synchronised" if w.synchronized else "closed-loop"
 
 MAX_RHO = 0.95
 """Cap on the other prompts' share of engine time in the staggered TTFT queueing term."""
@@ -189,8 +214,10 @@ class _Engine:
     limit: str
 
 
-def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None) -> _Engine:
-    """One engine with `load` requests in flight (closed loop)."""
+def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None,
+            waves: float = 1.0) -> _Engine:
+    """One engine with `load` requests in flight (closed loop); `waves`: how many times the
+    synchronised clients' requests turn over in the run (prompts / concurrency)."""
     cap, why = running_limit(s, w)
     b = min(load, cap)
     ctx = w.input_len + w.output_len / 2
@@ -213,11 +240,19 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None) 
     before = max(slots - life, 0.0) * mixed
     request = s.constants.request_us * 1e-6
     boundary = t_dec / 2 if others_n > 0 else 0.0  # arriving mid-step waits for its end
-    if w.synchronized:
-        # Fixed lengths, clients started together (benchmarks): waves. Half the wave's other
-        # prompts land before the first token, half in decode.
+    if w.synchronized and not s.chunked_prefill:
+        # Fixed lengths, clients started together, a prefill-first scheduler: every wave's
+        # prompts run before its decodes. Half the wave's other prompts land before the first
+        # token, half between it and the second.
         tpot = t_dec + in_decode / 2 / steps
         ttft = own + in_decode / 2 + before + boundary + request
+    elif w.synchronized:
+        # Chunked prefill dissolves the waves after the first: the first wave's queue (half
+        # the others' prompts) counts once in `waves`; later prompts arrive as the budget
+        # they need frees up and ride in the others' decode steps.
+        ramp = in_decode / 2 / max(waves, 1.0)
+        tpot = t_dec + (in_decode - ramp) / steps
+        ttft = own + ramp + before + boundary + request
     else:
         # Staggered users: a request arriving while other prompts are prefilled waits for
         # them (M/D/1: rho / (1 - rho) x half a prompt, rho their share of engine time); the
@@ -235,20 +270,31 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None) 
     return _Engine(tpot, ttft, e2e, b, why if load >= cap else "none")
 
 
-def point(s: EngineShape, w: Workload, concurrency: float) -> Point:
-    """Closed loop: `concurrency` clients, each sending its next request when one completes."""
+def point(s: EngineShape, w: Workload, concurrency: float,
+          prompts: float = BENCH_PROMPTS) -> Point:
+    """Closed loop: `concurrency` clients, each sending its next request when one completes
+    (synchronised benchmark clients when `w.synchronized`, sending `prompts` in all)."""
     loads = _loads(concurrency, s.dp)
     lockstep = s.dp > 1 and s.experts > 0
     cap = running_limit(s, w)[0]
+    waves = max(prompts / max(concurrency, 1e-9), 1.0)
     moe = None
-    if s.expert_parallel and s.dp > 1:
-        # the EP group's experts see every rank's tokens; in lockstep at the busiest's pace
+    if s.moe_group > 1:
+        # the MoE group's experts see every rank's tokens; in lockstep at the busiest's pace
         moe = sum(n * min(x, cap) for n, x in loads) * (1 + s.spec_tokens)
-    busiest = _engine(s, w, loads[0][1], moe)
+    busiest = _engine(s, w, loads[0][1], moe, waves)
     rps = 0.0
     for n, x in loads:
-        e = busiest if (lockstep or x == loads[0][1]) else _engine(s, w, x, moe)
+        e = busiest if (lockstep or x == loads[0][1]) else _engine(s, w, x, moe, waves)
         rps += n * x / (busiest.e2e if lockstep else e.e2e)
+    # The API servers do each request's serial host work one after another (one per DP rank
+    # in vLLM 0.32): past their rate requests queue there, before their first token.
+    frontend = s.constants.frontend_us * 1e-6 / s.dp
+    if rps * frontend > 1.0:
+        slow = rps * frontend
+        rps /= slow
+        busiest = dataclasses.replace(busiest, ttft=busiest.ttft + busiest.e2e * (slow - 1),
+                                      e2e=busiest.e2e * slow)
     ctx = w.input_len + w.output_len / 2
     micro = max(busiest.running / s.pp, min(busiest.running, 1.0))
     st = stage_step(s, micro, ctx, moe_tokens=None if moe is None else moe / s.pp)
@@ -256,6 +302,60 @@ def point(s: EngineShape, w: Workload, concurrency: float) -> Point:
     bound = max(parts, key=lambda k: parts[k])
     return Point(concurrency, busiest.tpot * 1e3, busiest.ttft * 1e3, rps * w.output_len, rps,
                  busiest.running, busiest.limit, st.compute > st.memory, bound)
+
+
+def bench_point(s: EngineShape, w: Workload, concurrency: float,
+                prompts: float = BENCH_PROMPTS) -> Point:
+    """`vllm bench serve --max-concurrency N --num-prompts P` on `w`'s fixed lengths: the
+    client `--concurrency` predicts (synchronised clients)."""
+    return point(s, dataclasses.replace(w, synchronized=True), concurrency, prompts)
+
+
+def closed_loop_point(s: EngineShape, w: Workload, users: float, think_s: float = 0.0
+                      ) -> Point:
+    """`users` staggered users, each waiting `think_s` between a response and its next
+    request: in flight C = users x E2E / (E2E + think) (Little's law on the loop), found by
+    bisection (C's E2E rises with C, so the fixed point is unique)."""
+    w = dataclasses.replace(w, synchronized=False)
+    if users <= 0:
+        raise ValueError("users must be positive")
+    if think_s <= 0:
+        return point(s, w, users)
+
+    def in_flight(c: float) -> float:
+        p = point(s, w, c)
+        e2e = c / p.requests_per_s if p.requests_per_s > 0 else math.inf
+        return users * e2e / (e2e + think_s)
+
+    lo, hi = min(1e-6, users), users
+    for _ in range(40):  # bounded: 2^-40 of the range
+        mid = (lo + hi) / 2
+        if in_flight(mid) > mid:
+            lo = mid
+        else:
+            hi = mid
+    return dataclasses.replace(point(s, w, max(lo, 1e-6)), concurrency=users)
+
+
+def poisson_point(s: EngineShape, w: Workload, rate: float) -> Point | None:
+    """Open-loop Poisson arrivals at `rate` requests/s: the mean state of the engine, at the
+    in-flight count C whose staggered closed loop serves exactly `rate` (Little: C = rate x
+    E2E; the TTFT wait is already the M/D/1 of random arrivals). None when no C serves it:
+    the queue grows without bound."""
+    w = dataclasses.replace(w, synchronized=False)
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    top = max(2.0, max_running(s, w))
+    if point(s, w, top).requests_per_s < rate:
+        return None
+    lo, hi = 1e-6, top
+    for _ in range(40):  # bounded bisection; requests/s rises with C
+        mid = (lo + hi) / 2
+        if point(s, w, mid).requests_per_s < rate:
+            lo = mid
+        else:
+            hi = mid
+    return point(s, w, hi)
 
 
 def open_loop_rate(s: EngineShape, w: Workload, knee_concurrency: float) -> float:
@@ -345,7 +445,7 @@ class Calibration:
 
 
 FIXED_FIELDS = ("layer_us", "moe_layer_us", "allreduce_us", "nccl_us", "network_us", "step_us",
-                "v0_step_us", "draft_pass_us")
+                "v0_step_us", "draft_pass_us", "frontend_us")
 
 
 def scaled(c: Constants, cal: Calibration) -> Constants:

@@ -142,7 +142,10 @@ def shape_for(row: dict[str, str], w: Workload, spec: ModelSpec | None = None
     v0 = traits.engine == "v0"
     kv = "fp8" if row.get("kv_cache_dtype", "").startswith("fp8") else "auto"
     layout = Layout(tp=tp, pp=pp, dp=dp, expert_parallel=ep, nodes=nodes)
-    length = min(spec.max_context, w.input_len + w.output_len)
+    # the context the source served with where it says (the token budget of a prefill-first
+    # scheduler follows it), else just the row's request
+    length = min(spec.max_context, int(first_number(row.get("max_model_len", "")) or 0)
+                 or w.input_len + w.output_len)
     pins = Pins(max_model_len=length, max_num_seqs=256 if v0 else None, vllm_version=version)
     c = evaluate(spec, hw, layout, kv, traits.default_gpu_memory_utilization, traits, pins,
                  chunked=not v0)

@@ -242,10 +242,12 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None,
     boundary = t_dec / 2 if others_n > 0 else 0.0  # arriving mid-step waits for its end
     if w.synchronized and not s.chunked_prefill:
         # Fixed lengths, clients started together, a prefill-first scheduler: every wave's
-        # prompts run before its decodes. Half the wave's other prompts land before the first
-        # token, half between it and the second.
-        tpot = t_dec + in_decode / 2 / steps
-        ttft = own + in_decode / 2 + before + boundary + request
+        # prompts run before its decodes, as many per step as the token budget holds; a
+        # request's first token comes when its group's step ends, its second when the wave's
+        # last group's has.
+        wave_ttft, wave = _wave_s(s, w.input_len, b, own)
+        tpot = t_dec + max(wave - wave_ttft, 0.0) / steps
+        ttft = wave_ttft + before + boundary + request
     elif w.synchronized:
         # Chunked prefill dissolves the waves after the first: the first wave's queue (half
         # the others' prompts) counts once in `waves`; later prompts arrive as the budget
@@ -268,6 +270,21 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None,
         ttft += (load - b) / (b / e2e)
         e2e = ttft + steps * tpot
     return _Engine(tpot, ttft, e2e, b, why if load >= cap else "none")
+
+
+def _wave_s(s: EngineShape, length: float, wave: float, own: float) -> tuple[float, float]:
+    """(mean time to a request's first token, time to the last one's) when `wave` prompts of
+    `length` tokens arrive together at a prefill-first scheduler: groups of g = budget /
+    length prompts per step (at least one), each group's step g prompts' work beyond the
+    step's fixed part; the j-th group's requests get their first token after j steps."""
+    g = max(1, min(math.floor(s.max_num_batched_tokens / max(length, 1.0)), math.ceil(wave)))
+    empty = step_s(s, 0.0, 0.0)
+    group = own + (g - 1) * max(own - empty, 0.0)
+    n = max(wave, 1.0)
+    full, rest = divmod(n, g)
+    # sum over requests of their group's index, over the wave's n requests
+    index_sum = g * full * (full + 1) / 2 + rest * (full + 1)
+    return index_sum / n * group, math.ceil(n / g) * group
 
 
 def point(s: EngineShape, w: Workload, concurrency: float,
@@ -445,7 +462,7 @@ class Calibration:
 
 
 FIXED_FIELDS = ("layer_us", "moe_layer_us", "allreduce_us", "nccl_us", "network_us", "step_us",
-                "v0_step_us", "draft_pass_us", "frontend_us")
+                "v0_step_us", "draft_pass_us", "frontend_us", "spec_seq_us")
 
 
 def scaled(c: Constants, cal: Calibration) -> Constants:

@@ -40,15 +40,15 @@ class Constants:
     """Efficiencies (shares of a peak) and fixed costs (microseconds). The values are the fit of
     `bench/perf_fit.py` inside the BOUNDS there, rounded; each field says its physical range."""
 
-    hbm_eff: float = 0.9
+    hbm_eff: float = 0.91
     """Share of peak HBM bandwidth weight and KV reads reach. Range 0.6-0.92: aiconfigurator's
     vLLM GEMM tables give 0.76-0.86 for bf16 weights, FlashMLA decode ~0.9 of H800's HBM
     (ai-dynamo/aiconfigurator; deepseek-ai/FlashMLA README)."""
-    compute_eff: float = 0.48
+    compute_eff: float = 0.40
     """Share of dense tensor peak a decode step's GEMMs and attention reach. Range 0.4-0.70:
     aiconfigurator measures 0.5-0.59 for fp8 and ~0.8 for bf16 GEMMs at large M; decode M is
     small, so <= 0.70 (the issue's bound)."""
-    prefill_eff: float = 0.52
+    prefill_eff: float = 0.45
     """Share of dense tensor peak a prefill chunk's GEMMs and attention reach. Range 0.45-0.75:
     FlashAttention-3 reaches ~740 of 989 bf16 TFLOPS on H100 (~75%, arXiv 2407.08608);
     aiconfigurator's large-M GEMMs 0.79-0.81 (bf16) and 0.50-0.59 (fp8) of peak."""
@@ -59,7 +59,7 @@ class Constants:
     fp8 GEMM would be slower than bf16 at the same shape on every catalog GPU (fp8 peak = 2x
     bf16): vLLM would not choose that kernel, so `stage_step` never times an fp8 GEMM below
     the bf16 one (physics: the same math on a unit at least as fast)."""
-    moe_eff: float = 0.5
+    moe_eff: float = 0.55
     """Share of the roofline (bandwidth and compute alike) a fused-MoE grouped GEMM reaches,
     beyond the dense GEMMs' efficiencies: routing, permutation and per-expert tiles. Range
     0.05-1.0: aiconfigurator's vLLM fused-MoE tables give median utilisation 0.53 (bf16), 0.40
@@ -68,26 +68,27 @@ class Constants:
     """Fixed cost per layer per step: ~6-10 kernels of ~2-4 us each under CUDA graphs (norms,
     rotary, KV write, activation). Range 5-60 us; aiconfigurator's element-wise op floor is
     ~3 us and its GEMM floor 3.8-8.7 us."""
-    moe_layer_us: float = 120.0
+    moe_layer_us: float = 70.0
     """Floor of one fused-MoE layer (router, top-k, permutation, grouped-GEMM set-up). Range
     20-120 us: aiconfigurator's vLLM fused-MoE tables floor at 22-50 us."""
-    allreduce_us: float = 7.5
+    allreduce_us: float = 4.0
     """Latency of one vLLM custom all-reduce inside NVLink / Infinity Fabric under a CUDA graph.
     Range 4-25 us: 5.1 us at 8 KB on 8xH100, ~20 us outside a graph (vLLM
     custom_all_reduce benchmarks, csrc/custom_all_reduce.cuh)."""
-    link_eff: float = 0.5
-    """Share of the link bandwidth a collective's ring moves bytes at. Range 0.3-0.9: with
-    allreduce_us = 8 it gives vLLM's custom all-reduce on 8xH100 (7.9 us at 128 KB, 15.0 at
-    1 MB, 19.4 at 2 MB); nccl-tests reach ~0.8 of NVLink as bus bandwidth at large sizes."""
+    link_eff: float = 0.2
+    """Share of the link bandwidth a collective's ring moves bytes at. Range 0.2-0.9: vLLM's
+    custom all-reduce on 8xH100 fits 5 us + bytes / 84 GB/s below 1 MB (7.9 us at 128 KB,
+    15.0 at 1 MB, 19.4 at 2 MB), i.e. 2 x 7/8 x bytes / (450 GB/s x 0.33): 0.33 at the sizes a
+    decode step moves; nccl-tests reach ~0.8 of NVLink as bus bandwidth at large sizes."""
     nccl_us: float = 16.0
     """Latency of one NCCL collective inside a node where vLLM's custom all-reduce does not
     apply (EP all-gather / reduce-scatter, DP synchronisation, PCIe). Range 8-30 us: nccl-tests
     on 8xH100 ~16 us at 8 KB."""
-    network_us: float = 112.0
+    network_us: float = 120.0
     """Latency of one collective or pipeline hop that crosses nodes (InfiniBand / RoCE). Range
     15-120 us: NCCL across two HGX nodes adds ~10-30 us to the intra-node latency per call, more
     on RoCE and through rail switches (nccl-tests multi-node all-reduce at small sizes)."""
-    step_us: float = 620.0
+    step_us: float = 770.0
     """Per engine step: scheduler, sampler, input preparation, output processing (V1 engine).
     Range 100-3,000 us: V1 overlaps scheduling with the GPU but a step still costs ~0.5 ms of
     host work (vLLM V1 alpha blog, 2025-01-27)."""
@@ -101,7 +102,7 @@ class Constants:
     torch.compile fusion) reached. Range 0.05-1.0: Neural Magic measured DeepSeek-R1 on vLLM
     0.7.0 at 238 and 0.7.1 at 821 output tok/s on the same GPUs (3.4x from kernels alone,
     neuralmagic.com 'Enhancing DeepSeek models with MLA and FP8'). Used only for V0 rows."""
-    request_us: float = 46000.0
+    request_us: float = 49000.0
     """Per request before its first token: HTTP, tokenisation, engine hand-off, first chunk out.
     Range 1-60 ms: Qwen3-8B on H100 at concurrency 1 measures 59 ms TTFT for a 233-token prompt
     of ~10 ms compute (gpustack performance lab)."""
@@ -115,6 +116,15 @@ class Constants:
     +175%). Range 0.3-10 ms: below request_us (the whole per-request latency, 59 ms TTFT for
     ~10 ms of compute on Qwen3-8B, gpustack), above the ~0.3 ms a tokenised HTTP round trip
     costs in Python."""
+    spec_seq_us: float = 32.0
+    """Host and sampler work per sequence per verified or drafted token of an MTP step: the
+    rejection sampler's per-request bookkeeping (v1/sample/rejection_sampler.py: target
+    probabilities, accepted-length metadata for every sequence) and the proposer's per-request
+    input preparation before each draft pass (v1/spec_decode/llm_base_proposer.py
+    prepare_inputs), which run between the GPU's kernels where a plain decode step overlaps its
+    host work with them. What makes a verified token cost more as the batch grows. Range
+    2-200 us: vLLM's V1 scheduler and output processor spend ~5-20 us of Python per request
+    per step (V1 alpha blog, 2025-01-27), a few times that with drafts to track."""
     draft_pass_us: float = 500.0
     """Fixed cost of one MTP draft pass beyond its layer's operators: the proposer's input
     preparation, sampling and the draft's LM-head launch. Range 50-2,000 us (vLLM
@@ -128,10 +138,11 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "compute_eff": (0.4, 0.70),
     "prefill_eff": (0.45, 0.75),
     "layer_us": (5.0, 60.0), "moe_layer_us": (20.0, 120.0), "allreduce_us": (4.0, 25.0),
-    "link_eff": (0.3, 0.9), "nccl_us": (8.0, 30.0), "network_us": (15.0, 120.0),
+    "link_eff": (0.2, 0.9), "nccl_us": (8.0, 30.0), "network_us": (15.0, 120.0),
     "step_us": (100.0, 3000.0),
     "v0_step_us": (0.0, 10000.0), "v0_kernel_eff": (0.05, 1.0), "request_us": (1000.0, 60000.0),
     "draft_pass_us": (50.0, 2000.0), "frontend_us": (300.0, 10000.0),
+    "spec_seq_us": (2.0, 200.0),
 }
 """The physical range of every constant (the docstrings give the sources): the fit never
 leaves it."""
@@ -139,9 +150,10 @@ leaves it."""
 NOMINAL: dict[str, float] = {
     "hbm_eff": 0.85, "moe_eff": 0.5, "fp8_gemm_share": 0.65, "compute_eff": 0.55,
     "prefill_eff": 0.6,
-    "layer_us": 20.0, "moe_layer_us": 45.0, "allreduce_us": 8.0, "link_eff": 0.7,
+    "layer_us": 20.0, "moe_layer_us": 45.0, "allreduce_us": 5.0, "link_eff": 0.33,
     "nccl_us": 16.0, "network_us": 30.0, "step_us": 500.0, "v0_step_us": 3000.0,
     "v0_kernel_eff": 0.5, "request_us": 20000.0, "draft_pass_us": 300.0, "frontend_us": 2000.0,
+    "spec_seq_us": 20.0,
 }
 """What the sources in the docstrings say before any fit: the fit's starting point and the
 centre of its weak prior (bench/perf_fit.py)."""
@@ -436,7 +448,7 @@ def stage_step(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
     if s.experts and s.moe_layers:
         t = m * s.moe_group if moe_tokens is None else moe_tokens
         eb = s.expert_bytes * touched_fraction(s.experts, s.topk, t)
-        ef = t * s.expert_flops_per_token / s.expert_shards
+        ef = _moe_flops(s, t)
         eb += _moe_slot_bytes(s, t)
         _op(parts, eb, ef, s.hbm, hbm_eff * k.moe_eff, s.peak, eff * k.moe_eff)
         bytes_read += eb
@@ -457,6 +469,31 @@ def stage_step(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
     return Step(parts[0], parts[1], _collectives_s(s, m) + _floors_s(s), bytes_read, flops)
 
 
+MOE_TILE_ROWS = 64.0
+"""Rows of one fused-MoE GEMM tile (BLOCK_SIZE_M: vLLM's fused_moe configs use 16-128, 64 the
+usual choice once an expert holds more than a few tokens; moe_align_block_size pads every
+expert's tokens to a whole number of tiles). An expert with t tokens runs ceil(t / 64) tiles,
+and a tile does its 64 rows of math whatever t is: the grouped GEMM's efficiency rises as
+tokens per expert grow, t / (64 x ceil(t / 64)). Expected over Poisson token counts per
+touched expert it is about t / (t + 64 / 2)."""
+
+
+def _moe_flops(s: EngineShape, tokens: float) -> float:
+    """Math the stage's grouped GEMMs do for `tokens` tokens entering the MoE group: every
+    routed slot's, plus the padding of each touched expert's last tile (half a tile on
+    average): on one rank, its share of the experts."""
+    if not s.experts:
+        return 0.0
+    useful = tokens * s.expert_flops_per_token / s.expert_shards
+    touched = s.experts * touched_fraction(s.experts, s.topk, tokens)
+    per_row = s.expert_flops_per_token / max(s.topk, 1) / s.expert_shards * s.experts / max(
+        s.experts, 1)
+    # a touched expert's tile rows beyond its tokens: half a tile, never more than a tile
+    slots_per_expert = tokens * s.topk / s.experts
+    pad = min(MOE_TILE_ROWS / 2, max(MOE_TILE_ROWS - slots_per_expert, 0.0))
+    return useful + touched * pad * per_row * (1.0 if not s.expert_parallel else 1.0)
+
+
 def _moe_slot_bytes(s: EngineShape, tokens: float) -> float:
     """Activation bytes the fused-MoE kernels of the stage move for `tokens` tokens entering
     the MoE group (MOE_SLOT_PASSES). The intermediate size comes from the expert FLOPs per
@@ -474,8 +511,12 @@ def _moe_slot_bytes(s: EngineShape, tokens: float) -> float:
 
 
 def _floors_s(s: EngineShape) -> float:
+    """Per-layer floors; V0-era kernels (no torch.compile fusion, Triton fused-MoE before
+    CUTLASS / DeepGEMM) launch more, slower kernels per layer: their floors stretch by the
+    same v0_kernel_eff as their efficiencies."""
     k = s.constants
-    return (s.layers * k.layer_us + s.moe_layers * k.moe_layer_us) * 1e-6
+    ke = k.v0_kernel_eff if s.v0 else 1.0
+    return (s.layers * k.layer_us + s.moe_layers * k.moe_layer_us) * 1e-6 / ke
 
 
 def _collectives_s(s: EngineShape, m: float) -> float:
@@ -522,6 +563,8 @@ def step_s(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
     t += (k.step_us + (k.v0_step_us if s.v0 else 0.0)) * 1e-6
     if s.draft is not None and s.spec_tokens and decodes > 0:
         t += draft_s(s, decodes, ctx)
+        # per sequence: the 1 + k tokens it verifies and the k it drafts
+        t += decodes * (1 + 2 * s.spec_tokens) * k.spec_seq_us * 1e-6
     return t
 
 

@@ -531,7 +531,7 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
         if value < best_loss:
             best, best_loss = x, value
     lo, hi = CAL_GRID[0] / 4, CAL_GRID[-1] * 4
-    for steps in (CAL_GRID, 8, 8, 32, 128):
+    for steps in (CAL_GRID, 8, 8, 32, 128, 16, 64, 32, 128, 64, 256):
         for i in range(4):
             values = steps if isinstance(steps, tuple) else [
                 min(max(best[i] * 2 ** (j / steps), lo), hi) for j in range(-8, 9)]

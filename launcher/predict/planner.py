@@ -462,6 +462,10 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
         reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: this engine's SLO knee; "
                        f"beyond it requests queue (TTFT grows) instead of slowing every "
                        f"running one; {best.capped_from:,} would let {over}")
+    elif best.trimmed_from is not None and p.max_num_seqs is None:
+        reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: the KV cache caps the "
+                       f"running requests below it anyway; {best.trimmed_from:,} would take "
+                       "KV memory for sampler buffers and CUDA graphs it never uses")
     elif k.max_num_seqs is not None and p.max_num_seqs is None:
         reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: vLLM's default batch "
                        "leaves too little KV memory for the context")

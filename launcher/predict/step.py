@@ -40,11 +40,11 @@ class Constants:
     """Efficiencies (shares of a peak) and fixed costs (microseconds). The values are the fit of
     `bench/perf_fit.py` inside the BOUNDS there, rounded; each field says its physical range."""
 
-    hbm_eff: float = 0.91
+    hbm_eff: float = 0.92
     """Share of peak HBM bandwidth weight and KV reads reach. Range 0.6-0.92: aiconfigurator's
     vLLM GEMM tables give 0.76-0.86 for bf16 weights, FlashMLA decode ~0.9 of H800's HBM
     (ai-dynamo/aiconfigurator; deepseek-ai/FlashMLA README)."""
-    compute_eff: float = 0.40
+    compute_eff: float = 0.485
     """Share of dense tensor peak a decode step's GEMMs and attention reach. Range 0.4-0.70:
     aiconfigurator measures 0.5-0.59 for fp8 and ~0.8 for bf16 GEMMs at large M; decode M is
     small, so <= 0.70 (the issue's bound)."""
@@ -59,36 +59,40 @@ class Constants:
     fp8 GEMM would be slower than bf16 at the same shape on every catalog GPU (fp8 peak = 2x
     bf16): vLLM would not choose that kernel, so `stage_step` never times an fp8 GEMM below
     the bf16 one (physics: the same math on a unit at least as fast)."""
-    moe_eff: float = 0.55
+    moe_eff: float = 0.26
     """Share of the roofline (bandwidth and compute alike) a fused-MoE grouped GEMM reaches,
     beyond the dense GEMMs' efficiencies: routing, permutation and per-expert tiles. Range
     0.05-1.0: aiconfigurator's vLLM fused-MoE tables give median utilisation 0.53 (bf16), 0.40
     (fp8), 0.23 (nvfp4), 0.07 (int4 weight-only)."""
-    layer_us: float = 43.0
+    layer_us: float = 50.2
     """Fixed cost per layer per step: ~6-10 kernels of ~2-4 us each under CUDA graphs (norms,
     rotary, KV write, activation). Range 5-60 us; aiconfigurator's element-wise op floor is
     ~3 us and its GEMM floor 3.8-8.7 us."""
-    moe_layer_us: float = 70.0
+    moe_layer_us: float = 47.3
     """Floor of one fused-MoE layer (router, top-k, permutation, grouped-GEMM set-up). Range
     20-120 us: aiconfigurator's vLLM fused-MoE tables floor at 22-50 us."""
-    allreduce_us: float = 4.0
+    allreduce_us: float = 5.0
     """Latency of one vLLM custom all-reduce inside NVLink / Infinity Fabric under a CUDA graph.
     Range 4-25 us: 5.1 us at 8 KB on 8xH100, ~20 us outside a graph (vLLM
     custom_all_reduce benchmarks, csrc/custom_all_reduce.cuh)."""
-    link_eff: float = 0.2
+    link_eff: float = 0.54
     """Share of the link bandwidth a collective's ring moves bytes at. Range 0.2-0.9: vLLM's
-    custom all-reduce on 8xH100 fits 5 us + bytes / 84 GB/s below 1 MB (7.9 us at 128 KB,
-    15.0 at 1 MB, 19.4 at 2 MB), i.e. 2 x 7/8 x bytes / (450 GB/s x 0.33): 0.33 at the sizes a
-    decode step moves; nccl-tests reach ~0.8 of NVLink as bus bandwidth at large sizes."""
+    custom all-reduce on 8xH100 takes 5.1 us at 8 KB and 19.4 at 2 MB (7.9 at 128 KB, 15.0 at
+    1 MB): 14.3 us per 2 MB over that range, 2 x 7/8 x 2 MB / (450 GB/s x 0.54) with
+    allreduce_us = 5 (the sizes decode and small prefill steps move); nccl-tests reach ~0.8 of
+    NVLink as bus bandwidth at large sizes. Kept at that measurement, not fitted."""
     nccl_us: float = 16.0
     """Latency of one NCCL collective inside a node where vLLM's custom all-reduce does not
     apply (EP all-gather / reduce-scatter, DP synchronisation, PCIe). Range 8-30 us: nccl-tests
     on 8xH100 ~16 us at 8 KB."""
-    network_us: float = 120.0
-    """Latency of one collective or pipeline hop that crosses nodes (InfiniBand / RoCE). Range
-    15-120 us: NCCL across two HGX nodes adds ~10-30 us to the intra-node latency per call, more
-    on RoCE and through rail switches (nccl-tests multi-node all-reduce at small sizes)."""
-    step_us: float = 770.0
+    network_us: float = 4.5
+    """Latency of one step of a collective (or one pipeline hop) that crosses nodes over
+    InfiniBand / RoCE: a small message through NCCL's network proxy. A ring all-reduce over n
+    ranks takes 2 (n - 1) such steps and an all-gather n - 1, each as slow as its slowest link,
+    so TP16 over two nodes pays ~30 of them per all-reduce. Range 2-20 us: ~1-2 us of verbs
+    latency, plus NCCL's LL-protocol flag polling and the proxy thread (nccl-tests multi-node
+    all-reduce at 8 KB on 16 H100s: tens of microseconds to ~150 us, i.e. 2-5 us per step)."""
+    step_us: float = 407.0
     """Per engine step: scheduler, sampler, input preparation, output processing (V1 engine).
     Range 100-3,000 us: V1 overlaps scheduling with the GPU but a step still costs ~0.5 ms of
     host work (vLLM V1 alpha blog, 2025-01-27)."""
@@ -97,9 +101,11 @@ class Constants:
     on the critical path). Range 0-10,000 us: the V1 blog reports V0's CPU overhead as what V1
     removed (1.7x throughput); used only for rows measured on V0 releases."""
     v0_kernel_eff: float = 0.5
-    """Share of these efficiencies the kernels of V0-era releases (vLLM < 0.8: Triton block-FP8
-    and fused-MoE GEMMs before CUTLASS/DeepGEMM, MLA before FlashMLA's prefill path, no
-    torch.compile fusion) reached. Range 0.05-1.0: Neural Magic measured DeepSeek-R1 on vLLM
+    """Share of the compute efficiencies the kernels of V0-era releases (vLLM < 0.8: Triton
+    block-FP8 and fused-MoE GEMMs before CUTLASS/DeepGEMM, MLA before FlashMLA's prefill path,
+    no torch.compile fusion) reached; their memory-bound kernels streamed weights about as fast
+    (a GEMV's speed is its bandwidth), and their floors stretch by it (more, unfused
+    kernels). Range 0.05-1.0: Neural Magic measured DeepSeek-R1 on vLLM
     0.7.0 at 238 and 0.7.1 at 821 output tok/s on the same GPUs (3.4x from kernels alone,
     neuralmagic.com 'Enhancing DeepSeek models with MLA and FP8'). Used only for V0 rows."""
     request_us: float = 49000.0
@@ -125,7 +131,7 @@ class Constants:
     host work with them. What makes a verified token cost more as the batch grows. Range
     2-200 us: vLLM's V1 scheduler and output processor spend ~5-20 us of Python per request
     per step (V1 alpha blog, 2025-01-27), a few times that with drafts to track."""
-    draft_pass_us: float = 500.0
+    draft_pass_us: float = 530.0
     """Fixed cost of one MTP draft pass beyond its layer's operators: the proposer's input
     preparation, sampling and the draft's LM-head launch. Range 50-2,000 us (vLLM
     v1/spec_decode/llm_base_proposer.py propose: one forward + argmax per draft)."""
@@ -138,7 +144,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "compute_eff": (0.4, 0.70),
     "prefill_eff": (0.45, 0.75),
     "layer_us": (5.0, 60.0), "moe_layer_us": (20.0, 120.0), "allreduce_us": (4.0, 25.0),
-    "link_eff": (0.2, 0.9), "nccl_us": (8.0, 30.0), "network_us": (15.0, 120.0),
+    "link_eff": (0.2, 0.9), "nccl_us": (8.0, 30.0), "network_us": (2.0, 20.0),
     "step_us": (100.0, 3000.0),
     "v0_step_us": (0.0, 10000.0), "v0_kernel_eff": (0.05, 1.0), "request_us": (1000.0, 60000.0),
     "draft_pass_us": (50.0, 2000.0), "frontend_us": (300.0, 10000.0),
@@ -150,8 +156,8 @@ leaves it."""
 NOMINAL: dict[str, float] = {
     "hbm_eff": 0.85, "moe_eff": 0.5, "fp8_gemm_share": 0.65, "compute_eff": 0.55,
     "prefill_eff": 0.6,
-    "layer_us": 20.0, "moe_layer_us": 45.0, "allreduce_us": 5.0, "link_eff": 0.33,
-    "nccl_us": 16.0, "network_us": 30.0, "step_us": 500.0, "v0_step_us": 3000.0,
+    "layer_us": 20.0, "moe_layer_us": 45.0, "allreduce_us": 5.0, "link_eff": 0.54,
+    "nccl_us": 16.0, "network_us": 5.0, "step_us": 500.0, "v0_step_us": 3000.0,
     "v0_kernel_eff": 0.5, "request_us": 20000.0, "draft_pass_us": 300.0, "frontend_us": 2000.0,
     "spec_seq_us": 20.0,
 }
@@ -406,6 +412,11 @@ def _op(parts: list[float], bytes_read: float, flops: float, bw: float, eff_bw: 
         parts[1] += t
 
 
+PREFILL_ATTN_HALF = 1000.0
+"""Sequence length at which prefill attention reaches half its peak efficiency: aiconfigurator's
+vLLM tables fit eta = 0.65 s / (s + s_half) with s_half ~1,000 on H100/H200 (~1,100 B200, ~450
+A100; shared/reference/perf-models.md). Short prompts' attention is tile- and launch-bound."""
+
 MOE_SLOT_PASSES = 3.0
 """Hidden-sized bf16 rows the fused-MoE kernel moves per routed token slot beside its weights
 (fused_moe.py fused_experts_impl: the gate-up GEMM reads the token's row, the down GEMM writes
@@ -432,7 +443,9 @@ def stage_step(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
     m = decodes * q + chunk
     parts = [0.0, 0.0]
     ke = k.v0_kernel_eff if s.v0 else 1.0
-    hbm_eff, c_eff, p_eff = k.hbm_eff * ke, k.compute_eff * ke, k.prefill_eff * ke
+    # V0-era kernels lost their time in math (Triton block-FP8 GEMMs and MHA-style MLA
+    # prefill at large M), not in streaming weights: their share slows compute only
+    hbm_eff, c_eff, p_eff = k.hbm_eff, k.compute_eff * ke, k.prefill_eff * ke
     eff = c_eff if chunk <= 0 else (c_eff * decodes * q + p_eff * chunk) / m
     peak_a = s.attn_peak or s.peak
     if s.fp8_gemm:
@@ -463,35 +476,37 @@ def stage_step(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
         span = _attn_span(s, prefix + chunk / 2)
         kvb = kv_read_tokens(s, prefix + chunk) * s.kv_bytes_per_token
         af = chunk * span * s.attn_prefill_flops
-        _op(parts, kvb, af, s.hbm, hbm_eff, peak_a, p_eff)
+        seq = prefix + chunk
+        _op(parts, kvb, af, s.hbm, hbm_eff, peak_a, p_eff * seq / (seq + PREFILL_ATTN_HALF))
         bytes_read += kvb
         flops += af
     return Step(parts[0], parts[1], _collectives_s(s, m) + _floors_s(s), bytes_read, flops)
 
 
-MOE_TILE_ROWS = 64.0
-"""Rows of one fused-MoE GEMM tile (BLOCK_SIZE_M: vLLM's fused_moe configs use 16-128, 64 the
-usual choice once an expert holds more than a few tokens; moe_align_block_size pads every
-expert's tokens to a whole number of tiles). An expert with t tokens runs ceil(t / 64) tiles,
-and a tile does its 64 rows of math whatever t is: the grouped GEMM's efficiency rises as
-tokens per expert grow, t / (64 x ceil(t / 64)). Expected over Poisson token counts per
-touched expert it is about t / (t + 64 / 2)."""
+def moe_tile_rows(s: EngineShape, tokens: float) -> float:
+    """Rows of one fused-MoE GEMM tile for `tokens` tokens (vLLM's fused_moe.py
+    get_default_config): block-fp8 weights use 16 rows up to 64 tokens and 64 beyond; other
+    dtypes 16 / 32 / 64 / 128 up to 32 / 96 / 512 tokens and beyond. moe_align_block_size pads
+    every expert's tokens to whole tiles, and a tile does all its rows' math."""
+    if s.fp8_gemm:
+        return 16.0 if tokens <= 64 else 64.0
+    return 16.0 if tokens <= 32 else 32.0 if tokens <= 96 else 64.0 if tokens <= 512 else 128.0
 
 
 def _moe_flops(s: EngineShape, tokens: float) -> float:
-    """Math the stage's grouped GEMMs do for `tokens` tokens entering the MoE group: every
-    routed slot's, plus the padding of each touched expert's last tile (half a tile on
-    average): on one rank, its share of the experts."""
+    """Math the stage's grouped GEMMs do for `tokens` tokens entering the MoE group, on one
+    rank (its share of the experts): every routed slot's, plus each touched expert's padding
+    of its last tile (half a tile on average, never more than the tile less its tokens): the
+    grouped GEMM's efficiency, slots / padded rows, rises as tokens per expert grow."""
     if not s.experts:
         return 0.0
     useful = tokens * s.expert_flops_per_token / s.expert_shards
     touched = s.experts * touched_fraction(s.experts, s.topk, tokens)
-    per_row = s.expert_flops_per_token / max(s.topk, 1) / s.expert_shards * s.experts / max(
-        s.experts, 1)
-    # a touched expert's tile rows beyond its tokens: half a tile, never more than a tile
-    slots_per_expert = tokens * s.topk / s.experts
-    pad = min(MOE_TILE_ROWS / 2, max(MOE_TILE_ROWS - slots_per_expert, 0.0))
-    return useful + touched * pad * per_row * (1.0 if not s.expert_parallel else 1.0)
+    per_row = s.expert_flops_per_token / max(s.topk, 1) / s.expert_shards
+    tile = moe_tile_rows(s, tokens)
+    per_expert = tokens * s.topk / s.experts
+    pad = min(tile / 2, max(tile - per_expert, 0.0))
+    return useful + touched * pad * per_row
 
 
 def _moe_slot_bytes(s: EngineShape, tokens: float) -> float:
@@ -526,8 +541,8 @@ def _collectives_s(s: EngineShape, m: float) -> float:
     t = 0.0
     msg = m * s.hidden * 2  # bf16 hidden states
     if s.tp > 1:
-        if s.cross_node_tp:
-            lat, bw, eff = k.network_us * 1e-6, s.net_bw, 1.0
+        if s.cross_node_tp:  # a ring's 2 (n - 1) steps, each paying the network's latency
+            lat, bw, eff = 2 * (s.tp - 1) * k.network_us * 1e-6, s.net_bw, 1.0
         elif s.link == "pcie":
             lat, bw, eff = k.nccl_us * 1e-6, s.link_bw, 1.0
         else:
@@ -535,7 +550,7 @@ def _collectives_s(s: EngineShape, m: float) -> float:
         t += 2 * s.layers * ring_allreduce_s(msg, s.tp, lat, bw, eff)
     if s.moe_group > 1 and s.moe_layers:
         ranks = s.tp * s.dp
-        lat = (k.network_us if s.cross_node_ep else k.nccl_us) * 1e-6
+        lat = ((ranks - 1) * k.network_us if s.cross_node_ep else k.nccl_us) * 1e-6
         bw, eff = (s.net_bw, 1.0) if s.cross_node_ep else (s.link_bw, k.link_eff)
         total = msg * s.dp  # every DP rank's hidden states, all-gathered then reduce-scattered
         t += 2 * s.moe_layers * gather_s(total, ranks, lat, bw, eff)

@@ -111,15 +111,13 @@ def _node_commands(d: dict[str, Any]) -> list[str]:
 def curve_table(perf: dict[str, Any], indent: str = "    ") -> list[str]:
     """The throughput-latency curve as a small table; the knee and the asked point marked."""
     knee = (perf.get("knee") or {}).get("concurrency")
-    at = perf.get("asked_concurrency")
     slo = perf["slo"]
-    out = [f"{indent}{'in flight':>10} {'TPOT ms':>9} {'TTFT ms':>10} {'output tok/s':>13}"]
+    out = [f"{indent}{'in flight':>10} {'TPOT ms':>9} {'TTFT ms':>10} {'output tok/s':>13}"
+           f"  ({perf.get('knee_client', 'closed-loop')} users)"]
     for p in perf["curve"]:
         mark = []
         if p["concurrency"] == knee:
             mark.append("knee")
-        if p["concurrency"] == at and at != knee:
-            mark.append("asked")
         if p["tpot_ms"] > slo["tpot_ms"] or p["ttft_ms"] > slo["ttft_ms"]:
             mark.append("misses SLO")
         out.append(f"{indent}{p['concurrency']:>10,.0f} {p['tpot_ms']:>9.1f} "
@@ -149,6 +147,14 @@ def performance_lines(d: dict[str, Any]) -> list[str]:
         one = perf["single_request"]
         lines.append(f"    the SLO is out of reach even for one request (TPOT "
                      f"{one['tpot_ms']:.1f} ms, TTFT {one['ttft_ms']:,.0f} ms)")
+    at = perf.get("at")
+    if perf.get("asked_concurrency") and at:
+        # --concurrency: what `vllm bench serve --max-concurrency N` would measure, the JSON's
+        # performance.at under the client it names
+        lines.append(f"    at --concurrency {at['concurrency']:,.0f} ({perf.get('client', '?')} "
+                     f"clients, as vllm bench serve --max-concurrency runs them): TPOT "
+                     f"{at['tpot_ms']:.1f} ms, TTFT {at['ttft_ms']:,.0f} ms, "
+                     f"{at['output_tokens_per_s']:,.0f} output tok/s")
     lines += curve_table(perf)
     alts = [a for a in d.get("alternatives") or [] if isinstance(a, dict) and a.get("fits")]
     if alts:

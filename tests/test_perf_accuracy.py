@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import perf_fit  # noqa: E402
 import perf_validation  # noqa: E402
 
-GATE = {"tpot_ms": 0.15, "output_tok_s": 0.20, "ttft_ms": 0.40}
-"""Issue 28 asks 15% for output tokens/s; held out it is 17.1% today (bench/perf_bench.py), so
-this gate holds today's level (no change may make it worse) until the model gets there."""
+GATE = {"tpot_ms": 0.15, "output_tok_s": 0.15, "ttft_ms": 0.40}
+"""Issue 28's gate. Held out today (python bench/perf_bench.py): TPOT 10.2%, output tok/s
+13.9%, TTFT 30.2%."""
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +46,17 @@ def test_held_out_median_error_stays_within_the_gate(held_out, quantity):
         f"held-out median |error| of {quantity} is {err:.1%}, over the {GATE[quantity]:.0%} "
         "gate: " + ", ".join(f"{r.row_id} {r.error:+.0%}" for r in held
                              if r.quantity == quantity))
+
+
+
+@pytest.mark.parametrize("quantity,key", [("output_tok_s", "output_tokens_per_s"),
+                                          ("tpot_ms", "tpot_ms"), ("ttft_ms", "ttft_ms")])
+def test_the_plans_held_out_range_is_this_spread(held_out, quantity, key):
+    # perf.HELD_OUT_SPREAD (the plans' performance.range) is the 10th-90th percentile of
+    # exactly these held-out errors: one number per fact, refreshed with the constants
+    # (python bench/perf_fit.py prints it).
+    from launcher.predict import perf
+
+    _, held = held_out
+    lo, hi = perf_fit.spread(held, quantity)
+    assert perf.HELD_OUT_SPREAD[key] == pytest.approx((lo, hi), abs=0.005), (lo, hi)

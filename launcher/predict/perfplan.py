@@ -144,8 +144,10 @@ def performance_range(a: Assessment) -> dict[str, Any]:
     p = a.knee or a.at
     tput = perf.value_range("output_tokens_per_s", p.output_tokens_per_s)
     tpot = perf.value_range("tpot_ms", p.tpot_ms)
+    ttft = perf.value_range("ttft_ms", p.ttft_ms)
     return {"low": round(tput[0], 1), "high": round(tput[1], 1), "of": "output_tokens_per_s",
             "tpot_ms": {"low": round(tpot[0], 2), "high": round(tpot[1], 2)},
+            "ttft_ms": {"low": round(ttft[0], 1), "high": round(ttft[1], 1)},
             "basis": "10th-90th percentile of leave-one-source-out error on published vLLM "
                      "rows (bench/perf_fit.py)"}
 

@@ -40,11 +40,11 @@ class Constants:
     """Efficiencies (shares of a peak) and fixed costs (microseconds). The values are the fit of
     `bench/perf_fit.py` inside the BOUNDS there, rounded; each field says its physical range."""
 
-    hbm_eff: float = 0.92
+    hbm_eff: float = 0.896
     """Share of peak HBM bandwidth weight and KV reads reach. Range 0.6-0.92: aiconfigurator's
     vLLM GEMM tables give 0.76-0.86 for bf16 weights, FlashMLA decode ~0.9 of H800's HBM
     (ai-dynamo/aiconfigurator; deepseek-ai/FlashMLA README)."""
-    compute_eff: float = 0.485
+    compute_eff: float = 0.4
     """Share of dense tensor peak a decode step's GEMMs and attention reach. Range 0.4-0.70:
     aiconfigurator measures 0.5-0.59 for fp8 and ~0.8 for bf16 GEMMs at large M; decode M is
     small, so <= 0.70 (the issue's bound)."""
@@ -59,7 +59,7 @@ class Constants:
     fp8 GEMM would be slower than bf16 at the same shape on every catalog GPU (fp8 peak = 2x
     bf16): vLLM would not choose that kernel, so `stage_step` never times an fp8 GEMM below
     the bf16 one (physics: the same math on a unit at least as fast)."""
-    moe_eff: float = 0.26
+    moe_eff: float = 0.55
     """Share of the roofline (bandwidth and compute alike) a fused-MoE grouped GEMM reaches,
     beyond the dense GEMMs' efficiencies: routing, permutation and per-expert tiles. Range
     0.05-1.0: aiconfigurator's vLLM fused-MoE tables give median utilisation 0.53 (bf16), 0.40
@@ -68,7 +68,7 @@ class Constants:
     """Fixed cost per layer per step: ~6-10 kernels of ~2-4 us each under CUDA graphs (norms,
     rotary, KV write, activation). Range 5-60 us; aiconfigurator's element-wise op floor is
     ~3 us and its GEMM floor 3.8-8.7 us."""
-    moe_layer_us: float = 47.3
+    moe_layer_us: float = 60.9
     """Floor of one fused-MoE layer (router, top-k, permutation, grouped-GEMM set-up). Range
     20-120 us: aiconfigurator's vLLM fused-MoE tables floor at 22-50 us."""
     allreduce_us: float = 5.0
@@ -85,7 +85,7 @@ class Constants:
     """Latency of one NCCL collective inside a node where vLLM's custom all-reduce does not
     apply (EP all-gather / reduce-scatter, DP synchronisation, PCIe). Range 8-30 us: nccl-tests
     on 8xH100 ~16 us at 8 KB."""
-    network_us: float = 4.5
+    network_us: float = 4.7
     """Latency of one step of a collective (or one pipeline hop) that crosses nodes over
     InfiniBand / RoCE: a small message through NCCL's network proxy. A ring all-reduce over n
     ranks takes 2 (n - 1) such steps and an all-gather n - 1, each as slow as its slowest link,
@@ -103,9 +103,9 @@ class Constants:
     v0_kernel_eff: float = 0.5
     """Share of the compute efficiencies the kernels of V0-era releases (vLLM < 0.8: Triton
     block-FP8 and fused-MoE GEMMs before CUTLASS/DeepGEMM, MLA before FlashMLA's prefill path,
-    no torch.compile fusion) reached; their memory-bound kernels streamed weights about as fast
-    (a GEMV's speed is its bandwidth), and their floors stretch by it (more, unfused
-    kernels). Range 0.05-1.0: Neural Magic measured DeepSeek-R1 on vLLM
+    no torch.compile fusion) reached in math and in the fused MoE; their dense memory-bound
+    kernels streamed weights and KV about as fast (a GEMV's speed is its bandwidth), and their
+    floors stretch by it (more, unfused kernels). Range 0.05-1.0: Neural Magic measured DeepSeek-R1 on vLLM
     0.7.0 at 238 and 0.7.1 at 821 output tok/s on the same GPUs (3.4x from kernels alone,
     neuralmagic.com 'Enhancing DeepSeek models with MLA and FP8'). Used only for V0 rows."""
     request_us: float = 49000.0
@@ -131,7 +131,7 @@ class Constants:
     host work with them. What makes a verified token cost more as the batch grows. Range
     2-200 us: vLLM's V1 scheduler and output processor spend ~5-20 us of Python per request
     per step (V1 alpha blog, 2025-01-27), a few times that with drafts to track."""
-    draft_pass_us: float = 530.0
+    draft_pass_us: float = 840.0
     """Fixed cost of one MTP draft pass beyond its layer's operators: the proposer's input
     preparation, sampling and the draft's LM-head launch. Range 50-2,000 us (vLLM
     v1/spec_decode/llm_base_proposer.py propose: one forward + argmax per draft)."""
@@ -444,7 +444,7 @@ def stage_step(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
     parts = [0.0, 0.0]
     ke = k.v0_kernel_eff if s.v0 else 1.0
     # V0-era kernels lost their time in math (Triton block-FP8 GEMMs and MHA-style MLA
-    # prefill at large M), not in streaming weights: their share slows compute only
+    # prefill at large M) and in the fused MoE, not in streaming dense weights or KV
     hbm_eff, c_eff, p_eff = k.hbm_eff, k.compute_eff * ke, k.prefill_eff * ke
     eff = c_eff if chunk <= 0 else (c_eff * decodes * q + p_eff * chunk) / m
     peak_a = s.attn_peak or s.peak
@@ -463,7 +463,8 @@ def stage_step(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
         eb = s.expert_bytes * touched_fraction(s.experts, s.topk, t)
         ef = _moe_flops(s, t)
         eb += _moe_slot_bytes(s, t)
-        _op(parts, eb, ef, s.hbm, hbm_eff * k.moe_eff, s.peak, eff * k.moe_eff)
+        # V0's Triton fused-MoE (before tuned block-FP8 configs) streamed experts slowly too
+        _op(parts, eb, ef, s.hbm, hbm_eff * k.moe_eff * ke, s.peak, eff * k.moe_eff)
         bytes_read += eb
         flops += ef
     if decodes > 0:

@@ -105,9 +105,10 @@ class Constants:
     block-FP8 and fused-MoE GEMMs before CUTLASS/DeepGEMM, MLA before FlashMLA's prefill path,
     no torch.compile fusion) reached in math and in the fused MoE; their dense memory-bound
     kernels streamed weights and KV about as fast (a GEMV's speed is its bandwidth), and their
-    floors stretch by it (more, unfused kernels). Range 0.05-1.0: Neural Magic measured DeepSeek-R1 on vLLM
-    0.7.0 at 238 and 0.7.1 at 821 output tok/s on the same GPUs (3.4x from kernels alone,
-    neuralmagic.com 'Enhancing DeepSeek models with MLA and FP8'). Used only for V0 rows."""
+    floors stretch by it (more, unfused kernels). Range 0.05-1.0: Neural Magic measured
+    DeepSeek-R1 on vLLM 0.7.0 at 238 and 0.7.1 at 821 output tok/s on the same GPUs (3.4x from
+    kernels alone, neuralmagic.com 'Enhancing DeepSeek models with MLA and FP8'). Used only for
+    V0 rows."""
     request_us: float = 49000.0
     """Per request before its first token: HTTP, tokenisation, engine hand-off, first chunk out.
     Range 1-60 ms: Qwen3-8B on H100 at concurrency 1 measures 59 ms TTFT for a 233-token prompt

@@ -1,14 +1,16 @@
 """Fit the performance model's constants to the published rows, and judge the fit held out.
 
 Coordinate descent over each constant's physical range (launcher/predict/step.py BOUNDS),
-minimising the mean |log error| of TPOT, of output tokens/s and of the MTP speed-ups plus half
-the larger median of the first two (the goal's measure), so no row is ignored. Every case
+minimising the mean |log error| of TPOT, of output tokens/s and of the MTP speed-ups, half that
+of TTFT, plus half the larger median of the first two (the goal's measure), so no row is
+ignored. Every case
 is scored by replacing `shape.constants` on a shape built once: the shapes hold no constant, so
 each trial value reaches every step.
 
 `leave_one_source_out()` refits with each publication's rows held out and predicts them with
-constants that never saw them: the headline `make bench` prints (goal <= 25% median |error| of
-TPOT and of output tokens/s), the in-sample figure beside it.
+constants that never saw them: the headline `make bench` prints (goal: median |error| of TPOT
+and of output tokens/s <= 10%, of TTFT <= 25%; tests/test_perf_accuracy.py fails past 15%, 15%
+and 40%), the in-sample figure beside it. Constants in FROZEN stay at their sources.
 
 Run: .venv/bin/python bench/perf_fit.py   (prints the fitted constants; copying them into
 step.Constants is a reviewed change, not a side effect)

@@ -184,7 +184,9 @@ def row_cases(row: dict[str, str]) -> list[Case]:
     s = shape_for(row, w)
     # request_rate=inf sends every prompt at once: one wave, TPOT mostly queueing; the
     # source README says to use such rows for throughput ceilings only.
-    burst = "request_rate=inf" in row["concurrency_or_request_rate"]
+    # an offline batch (LLM.generate on every prompt) is a burst as well
+    text = row["concurrency_or_request_rate"].strip().lower()
+    burst = "request_rate=inf" in text or text.startswith("offline")
     observed = {}
     tpot = None if burst else first_number(row["tpot_ms_mean"])
     tput = first_number(row["output_tok_s"])
@@ -202,7 +204,9 @@ def row_cases(row: dict[str, str]) -> list[Case]:
     prompts = first_number(row.get("num_prompts", "")) or perf.BENCH_PROMPTS
 
     def predict(k: perf.Constants) -> dict[str, float]:
-        p = perf.point(_with(s, k), w, conc, prompts)
+        # a burst is one wave timed to its last request; a max-concurrency run a loop
+        p = (perf.burst_point(_with(s, k), w, conc) if burst else
+             perf.point(_with(s, k), w, conc, prompts))
         return {"tpot_ms": p.tpot_ms, "output_tok_s": p.output_tokens_per_s,
                 "ttft_ms": p.ttft_ms}
 

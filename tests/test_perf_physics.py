@@ -505,3 +505,19 @@ def test_the_client_models_agree_where_they_must():
         assert thinking.requests_per_s < closed.requests_per_s
     assert perf.poisson_point(s, w, 1e9) is None
     assert perf.bench_point(s, w, 64).ttft_ms >= perf.point(s, w, 1).ttft_ms
+
+
+def test_a_burst_is_timed_to_its_last_request():
+    # n requests sent at once finish when the last one does: after every prompt's math at
+    # the GPU's full peak and its own decode steps. A steady loop of n in flight serves at
+    # least as many requests per second (its mean request, not its last, sets the rate).
+    checked = 0
+    for pid, s, w, c in points():
+        if c > 256 or s.dp > 1:
+            continue
+        b = perf.burst_point(s, w, c)
+        prompts = c * w.input_len * s.dense_flops_per_token / s.peak
+        assert c / b.requests_per_s >= prompts * (1 - 1e-9), pid
+        assert b.requests_per_s <= perf.point(s, w, c).requests_per_s * (1 + 1e-9), pid
+        checked += 1
+    assert checked >= 100

@@ -54,12 +54,14 @@ __all__ = ["DEFAULT", "Constants", "EngineShape", "engine_shape", "touched_fract
            "point", "knee", "curve", "binding", "decode_step_s", "prefill_step_s",
            "prompt_s", "running_limit", "max_running", "open_loop_rate", "Calibration",
            "scaled", "calibrate", "value_range", "HELD_OUT_SPREAD", "CLIENTS", "client_of",
-           "bench_point", "poisson_point", "closed_loop_point", "BENCH_PROMPTS"]
+           "bench_point", "poisson_point", "closed_loop_point", "burst_point",
+           "BENCH_PROMPTS"]
 
 CLIENTS = ("bench-synchronised", "poisson", "closed-loop")
 """The clients a prediction can assume: benchmark clients started together on fixed lengths
 (`--concurrency`), open-loop Poisson arrivals (`capacity --rps`), staggered users in a closed
-loop (the knee under the SLO, `capacity --users`)."""
+loop (the knee under the SLO, `capacity --users`). A one-shot burst (`burst_point`, request
+rate inf) is the bench client's first wave alone."""
 
 BENCH_PROMPTS = 1000
 """Prompts `vllm bench serve` sends unless told otherwise (benchmarks/datasets/datasets.py
@@ -74,9 +76,9 @@ MAX_RHO = 0.95
 """Cap on the other prompts' share of engine time in the staggered TTFT queueing term."""
 
 HELD_OUT_SPREAD: dict[str, tuple[float, float]] = {
-    "output_tokens_per_s": (-0.152, 0.611),
-    "tpot_ms": (-0.060, 0.535),
-    "ttft_ms": (-0.684, 0.223),
+    "output_tokens_per_s": (-0.214, 0.686),
+    "tpot_ms": (-0.062, 0.507),
+    "ttft_ms": (-0.685, 0.210),
 }
 """10th and 90th percentile of the relative error (predicted / measured - 1) of each quantity
 when every publication's rows are predicted by constants fitted without them (`python
@@ -213,6 +215,7 @@ class _Engine:
     e2e: float
     running: float
     limit: str
+    last: float = 0.0  # one wave of `running` sent together: when its last request completes
 
 
 def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None,
@@ -249,6 +252,7 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None,
         wave_ttft, wave = _wave_s(s, w.input_len, b, own)
         tpot = t_dec + max(wave - wave_ttft, 0.0) / steps
         ttft = wave_ttft + before + boundary + request
+        last = wave + before + boundary + request + steps * t_dec
     elif w.synchronized:
         # Chunked prefill dissolves the waves after the first: the first wave's queue (half
         # the others' prompts) counts once in `waves`; later prompts arrive as the budget
@@ -256,6 +260,7 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None,
         ramp = in_decode / 2 / max(waves, 1.0)
         tpot = t_dec + (in_decode - ramp) / steps
         ttft = own + ramp + before + boundary + request
+        last = own + in_decode + before + boundary + request + steps * t_dec
     else:
         # Staggered users: a request arriving while other prompts are prefilled waits for
         # them (M/D/1: rho / (1 - rho) x half a prompt, rho their share of engine time); the
@@ -266,11 +271,12 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None,
         wait = min(rho / (1 - rho) * added / 2, in_decode)
         tpot = t_dec + (in_decode - wait) / steps
         ttft = own + wait + before + boundary + request
+        last = ttft + steps * tpot
     e2e = ttft + steps * tpot
     if load > b:  # the rest wait for a slot: Little's law on the closed loop
         ttft += (load - b) / (b / e2e)
         e2e = ttft + steps * tpot
-    return _Engine(tpot, ttft, e2e, b, why if load >= cap else "none")
+    return _Engine(tpot, ttft, e2e, b, why if load >= cap else "none", last)
 
 
 def _wave_s(s: EngineShape, length: float, wave: float, own: float) -> tuple[float, float]:
@@ -327,6 +333,32 @@ def bench_point(s: EngineShape, w: Workload, concurrency: float,
     """`vllm bench serve --max-concurrency N --num-prompts P` on `w`'s fixed lengths: the
     client `--concurrency` predicts (synchronised clients)."""
     return point(s, dataclasses.replace(w, synchronized=True), concurrency, prompts)
+
+
+def burst_point(s: EngineShape, w: Workload, n: float) -> Point:
+    """`n` requests of `w`'s lengths sent at once (`vllm bench serve --request-rate inf`):
+    throughput is n over the MAKESPAN - the last request's completion, the whole wave's
+    prompts before its first token - not over the mean request's life as in a steady loop
+    (a burst of tiny outputs is over by the time a loop would have reached its mean). Past
+    the running limit the waves follow one another. TTFT and TPOT are the first wave's means.
+    The API servers' serial work caps it like any load."""
+    w = dataclasses.replace(w, synchronized=True)
+    load = math.ceil(max(n, 1.0) / s.dp)
+    cap = running_limit(s, w)[0]
+    moe = None
+    if s.moe_group > 1:
+        moe = min(load, cap) * s.dp * (1 + s.spec_tokens)
+    e = _engine(s, w, min(load, cap), moe, 1.0)
+    makespan = e.last * math.ceil(load / max(e.running, 1.0))
+    frontend = s.constants.frontend_us * 1e-6 / s.dp
+    makespan = max(makespan, n * frontend)
+    rps = n / makespan
+    ctx = w.input_len + w.output_len / 2
+    st = stage_step(s, max(e.running / s.pp, min(e.running, 1.0)), ctx,
+                    moe_tokens=None if moe is None else moe / s.pp)
+    parts = {"memory": st.memory, "compute": st.compute, "fixed": st.fixed}
+    return Point(n, e.tpot * 1e3, e.ttft * 1e3, rps * w.output_len, rps, e.running, e.limit,
+                 st.compute > st.memory, max(parts, key=lambda k: parts[k]))
 
 
 def closed_loop_point(s: EngineShape, w: Workload, users: float, think_s: float = 0.0

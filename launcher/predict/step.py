@@ -40,7 +40,7 @@ class Constants:
     """Efficiencies (shares of a peak) and fixed costs (microseconds). The values are the fit of
     `bench/perf_fit.py` inside the BOUNDS there, rounded; each field says its physical range."""
 
-    hbm_eff: float = 0.896
+    hbm_eff: float = 0.89
     """Share of peak HBM bandwidth weight and KV reads reach. Range 0.6-0.92: aiconfigurator's
     vLLM GEMM tables give 0.76-0.86 for bf16 weights, FlashMLA decode ~0.9 of H800's HBM
     (ai-dynamo/aiconfigurator; deepseek-ai/FlashMLA README)."""
@@ -59,16 +59,16 @@ class Constants:
     fp8 GEMM would be slower than bf16 at the same shape on every catalog GPU (fp8 peak = 2x
     bf16): vLLM would not choose that kernel, so `stage_step` never times an fp8 GEMM below
     the bf16 one (physics: the same math on a unit at least as fast)."""
-    moe_eff: float = 0.55
+    moe_eff: float = 0.456
     """Share of the roofline (bandwidth and compute alike) a fused-MoE grouped GEMM reaches,
     beyond the dense GEMMs' efficiencies: routing, permutation and per-expert tiles. Range
     0.05-1.0: aiconfigurator's vLLM fused-MoE tables give median utilisation 0.53 (bf16), 0.40
     (fp8), 0.23 (nvfp4), 0.07 (int4 weight-only)."""
-    layer_us: float = 50.2
+    layer_us: float = 43.0
     """Fixed cost per layer per step: ~6-10 kernels of ~2-4 us each under CUDA graphs (norms,
     rotary, KV write, activation). Range 5-60 us; aiconfigurator's element-wise op floor is
     ~3 us and its GEMM floor 3.8-8.7 us."""
-    moe_layer_us: float = 60.9
+    moe_layer_us: float = 41.1
     """Floor of one fused-MoE layer (router, top-k, permutation, grouped-GEMM set-up). Range
     20-120 us: aiconfigurator's vLLM fused-MoE tables floor at 22-50 us."""
     allreduce_us: float = 5.0
@@ -85,14 +85,14 @@ class Constants:
     """Latency of one NCCL collective inside a node where vLLM's custom all-reduce does not
     apply (EP all-gather / reduce-scatter, DP synchronisation, PCIe). Range 8-30 us: nccl-tests
     on 8xH100 ~16 us at 8 KB."""
-    network_us: float = 4.7
+    network_us: float = 4.9
     """Latency of one step of a collective (or one pipeline hop) that crosses nodes over
     InfiniBand / RoCE: a small message through NCCL's network proxy. A ring all-reduce over n
     ranks takes 2 (n - 1) such steps and an all-gather n - 1, each as slow as its slowest link,
     so TP16 over two nodes pays ~30 of them per all-reduce. Range 2-20 us: ~1-2 us of verbs
     latency, plus NCCL's LL-protocol flag polling and the proxy thread (nccl-tests multi-node
     all-reduce at 8 KB on 16 H100s: tens of microseconds to ~150 us, i.e. 2-5 us per step)."""
-    step_us: float = 407.0
+    step_us: float = 623.0
     """Per engine step: scheduler, sampler, input preparation, output processing (V1 engine).
     Range 100-3,000 us: V1 overlaps scheduling with the GPU but a step still costs ~0.5 ms of
     host work (vLLM V1 alpha blog, 2025-01-27)."""
@@ -123,7 +123,7 @@ class Constants:
     +175%). Range 0.3-10 ms: below request_us (the whole per-request latency, 59 ms TTFT for
     ~10 ms of compute on Qwen3-8B, gpustack), above the ~0.3 ms a tokenised HTTP round trip
     costs in Python."""
-    spec_seq_us: float = 32.0
+    spec_seq_us: float = 29.8
     """Host and sampler work per sequence per verified or drafted token of an MTP step: the
     rejection sampler's per-request bookkeeping (v1/sample/rejection_sampler.py: target
     probabilities, accepted-length metadata for every sequence) and the proposer's per-request
@@ -132,7 +132,7 @@ class Constants:
     host work with them. What makes a verified token cost more as the batch grows. Range
     2-200 us: vLLM's V1 scheduler and output processor spend ~5-20 us of Python per request
     per step (V1 alpha blog, 2025-01-27), a few times that with drafts to track."""
-    draft_pass_us: float = 840.0
+    draft_pass_us: float = 500.0
     """Fixed cost of one MTP draft pass beyond its layer's operators: the proposer's input
     preparation, sampling and the draft's LM-head launch. Range 50-2,000 us (vLLM
     v1/spec_decode/llm_base_proposer.py propose: one forward + argmax per draft)."""

@@ -297,3 +297,19 @@ def test_the_performance_models_import_no_planner_search_or_serving_decision():
                 assert not mods & banned, (name, ast.dump(node))
             elif isinstance(node, ast.Import):
                 assert not {a.name.split(".")[-1] for a in node.names} & banned, name
+
+
+def test_a_prefill_first_wave_prefills_in_budget_groups():
+    # Four synchronised clients, 1,000-token prompts, a 2,000-token budget and no chunked
+    # prefill (V0): two prompts per step. Requests 1-2 get their first token after one group
+    # step, 3-4 after two: mean 1.5 group steps; the wave's last after 2. A group step is one
+    # prompt's step plus the second prompt's work beyond the step's fixed part.
+    s = toy(chunked_prefill=False, max_num_batched_tokens=2000)
+    own = perf.prompt_s(s, 1000, 0, 0)[0]
+    empty = perf.step_s(s, 0.0, 0.0)
+    group = own + (own - empty)
+    mean, last = perf._wave_s(s, 1000, 4, own)
+    assert mean == pytest.approx(1.5 * group) and last == pytest.approx(2 * group)
+    # and the plan's bench point waits at least that long for its first token
+    p = perf.bench_point(s, Workload(1000, 64), 4)
+    assert p.ttft_ms >= 1.5 * group * 1e3

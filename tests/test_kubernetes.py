@@ -395,14 +395,14 @@ def _max_attempts(args: list[str]) -> int:
 def test_startup_probe_covers_every_attempt_of_the_plan(overlay):
     """The kubelet must not kill a start-up that vlaunch is still entitled to: every attempt
     (`--max-attempts`), each to serve's deadline for the plan's weights, plus a margin."""
-    from launcher.run import serve
+    from launcher.run import emit
     from launcher.run.emit import STARTUP_MARGIN_S
 
     name, objs = overlay
     _, gpus = _timing_target(name)
     plan = _generator().plan_for(_model(objs), gpus)
-    deadline = serve.STARTUP_SECONDS_BASE + (
-        plan["model"]["weights_bytes"] / serve.STARTUP_BYTES_PER_SECOND)
+    deadline = emit.STARTUP_SECONDS_BASE + (
+        plan.model.weights_bytes / emit.STARTUP_BYTES_PER_SECOND)
     for where, template in _pod_templates(objs):
         if where.endswith("workerTemplate"):
             continue

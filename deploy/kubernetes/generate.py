@@ -110,7 +110,7 @@ def _model_ref(model: str) -> Iterator[str]:
         yield str(folder)
 
 
-def plan_for(model: str, gpus: str) -> dict[str, Any]:
+def plan_for(model: str, gpus: str) -> Any:
     """The plan `vlaunch plan MODEL --gpus GPUS` makes, ignoring this machine's caches (lessons
     learnt here must not change what is committed)."""
     from launcher.inputs.hardware import parse_gpus
@@ -121,7 +121,7 @@ def plan_for(model: str, gpus: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as cache, _model_ref(model) as ref:
         os.environ["VLAUNCH_CACHE_DIR"] = cache
         try:
-            return make_plan(load_model(ref), parse_gpus(gpus), Pins()).to_dict()
+            return make_plan(load_model(ref), parse_gpus(gpus), Pins()).deployment()
         finally:
             if saved is None:
                 os.environ.pop("VLAUNCH_CACHE_DIR", None)
@@ -153,7 +153,7 @@ def timing(model: str, gpus: str) -> dict[str, Any]:
     budget = startup_budget_s(plan, attempts)
     return {
         "model": model,
-        "weights_bytes": plan["model"]["weights_bytes"],
+        "weights_bytes": plan.model.weights_bytes,
         "attempts": attempts,
         "deadline_s": startup_deadline_s(plan),
         "margin_s": STARTUP_MARGIN_S,

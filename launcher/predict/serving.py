@@ -26,9 +26,6 @@ class Serving:
     ep: ep_backend.Choice = field(default_factory=ep_backend.Choice)
     mtp: speculative.Decision = field(default_factory=speculative.Decision)
 
-    def vllm_args(self) -> list[str]:
-        return self.mtp.vllm_args() + self.ep.vllm_args() + self.parsers.vllm_args()
-
     def env(self) -> dict[str, str]:
         return self.ep.env()
 

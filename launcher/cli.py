@@ -209,14 +209,40 @@ def workload_options(f=None, *, concurrency: bool = True):
     return f
 
 
+_SCALING_KEYS = ("min_replicas", "max_replicas", "users", "rps", "weights_from")
+
+
+def scaling_options(f):
+    """The pool's size for its autoscaling (plan.json `autoscaling`, the ScaledObject)."""
+    for opt in reversed([
+        click.option("--min-replicas", type=int, help="Fewest replicas of the pool [1]."),
+        click.option("--max-replicas", type=int, help="Most replicas of the pool [the minimum, "
+                     "or what --users/--rps need]."),
+        click.option("--users", type=int, help="Size the pool for N users (as capacity does)."),
+        click.option("--rps", type=float, help="Size the pool for R requests/s arriving."),
+        click.option("--weights-from", type=click.Choice(["local", "volume", "hub"]),
+                     help="Where a new replica reads its weights, for its start-up time "
+                          "[local for a folder or the HF cache, else hub]."),
+    ]):
+        f = opt(f)
+    return f
+
+
 def split_goals(kw: dict) -> dict:
-    """Pop the workload options out of `kw` and turn them into make_plan's keywords."""
+    """Pop the workload (and pool size) options out of `kw`: make_plan's keywords."""
     from .inputs.workload import parse_slo, resolve_workload
+    from .predict.autoscaling import ScalingAsk
 
     raw = {k: kw.pop(k, None) for k in _WORKLOAD_KEYS}
-    return {"workload": resolve_workload(raw["input_len"], raw["output_len"], raw["workload"]),
-            "objective": raw["objective"], "slo": parse_slo(raw["slo"]),
-            "concurrency": raw["concurrency"]}
+    goals = {"workload": resolve_workload(raw["input_len"], raw["output_len"], raw["workload"]),
+             "objective": raw["objective"], "slo": parse_slo(raw["slo"]),
+             "concurrency": raw["concurrency"]}
+    if any(k in kw for k in _SCALING_KEYS):
+        sc = {k: kw.pop(k, None) for k in _SCALING_KEYS}
+        goals["load_path"] = sc.pop("weights_from")
+        goals["scaling"] = ScalingAsk(**sc)
+        goals["scaling"].validate()
+    return goals
 
 
 def revision_option(f):
@@ -275,6 +301,7 @@ def _write_atomic(path: str, text: str) -> None:
 @click.argument("model")
 @revision_option
 @plan_options
+@scaling_options
 @format_option("text for people; json or yaml for scripts; args: vLLM's flags, one a line.",
                "yaml", "args")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")
@@ -517,6 +544,7 @@ def _stop_timeout(opts: dict) -> float:
 @click.argument("model")
 @revision_option
 @plan_options
+@scaling_options
 @_serve_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(model: str, revision: str | None, gpus: str | None, extra: tuple[str, ...],

@@ -21,6 +21,7 @@ from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from . import budget as B
 from . import perf
+from .autoscaling import replicas_needed
 from .planner import Pins, make_plan
 
 HOURS_PER_MONTH = 730
@@ -176,8 +177,7 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
     if per <= 0:
         opt.problem = "the knee is at one request: Poisson arrivals would queue past the SLO"
         return opt
-    want = (load.users if load.users is not None else load.rps) * (1 + headroom)
-    active = max(1, math.ceil(want / per - 1e-9))
+    active = replicas_needed(load.users if load.users is not None else load.rps, per, headroom, 0)
     opt.replicas = active + spare
     if load.users is not None:
         served = perf.point(a.shape, workload, load.users / active).output_tokens_per_s

@@ -5,7 +5,9 @@ thing they share is a volume. So the plan goes there as three files:
 
 - `plan.json`: the whole plan (`Plan.to_dict()`), what `vlaunch exec` reads back;
 - `vllm-args`: vLLM's arguments, one per line, for a shell entrypoint or a human;
-- `vllm.env`: the environment the plan asks for, as `KEY='value'` lines a shell can source.
+- `vllm.env`: the environment the plan asks for, as `KEY='value'` lines a shell can source;
+- `scaledobject.yaml`: a KEDA ScaledObject per pool, from the plan's `autoscaling` (when the
+  plan has a knee to derive it from).
 
 Every file is written atomically (temp file in the same folder, then `os.replace`), and
 `plan.json` is written last, so a reader that finds `plan.json` finds the other two complete
@@ -24,6 +26,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..paths import atomic_write
+from ..predict.startup import NETWORK_VOLUME_BYTES_PER_S
 
 PLAN_FILE = "plan.json"
 ARGS_FILE = "vllm-args"
@@ -78,6 +81,7 @@ def emit_plan(plan: dict, out_dir: str | os.PathLike[str]) -> list[Path]:
     rendered = [
         (ARGS_FILE, _args_text(plan)),
         (ENV_FILE, _env_text(plan)),
+        *([(SCALEDOBJECT_FILE, scaled_objects_text(plan))] if plan.get("autoscaling") else []),
         (PLAN_FILE, json.dumps(plan, indent=2, sort_keys=True) + "\n"),
     ]
     out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +111,7 @@ def load_plan(path: str | os.PathLike[str]) -> dict:
 
 
 STARTUP_SECONDS_BASE = 300
-STARTUP_BYTES_PER_SECOND = 200 * (1 << 20)
+STARTUP_BYTES_PER_SECOND = NETWORK_VOLUME_BYTES_PER_S  # predict/startup.py: one number
 """Start-up deadline: 5 minutes plus the weights at 200 MiB/s (a slow network volume); a
 DeepSeek-V3 FP8 load is given about an hour. A hang past it is a failure, not a wait."""
 
@@ -155,3 +159,79 @@ def write_termination_message(text: str, path: str | os.PathLike[str] = TERMINAT
     except OSError:
         return False
     return True
+
+
+# --- KEDA ScaledObject -------------------------------------------------------------------------
+
+SCALEDOBJECT_FILE = "scaledobject.yaml"
+PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+"""The Service the Prometheus Operator creates for its Prometheus (`prometheus-operated`)."""
+
+# vLLM's own gauges (vllm/v1/metrics/loggers.py); never the removed vllm:gpu_cache_usage_perc.
+RUNNING, WAITING, KV_USAGE = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                              "vllm:kv_cache_usage_perc")
+# The pods that serve the API: a Deployment's (NAME-<hash>-<id>) or an LWS group's leader
+# (NAME-<group>; its workers, NAME-<group>-<index>, export no request gauges).
+POD_PATTERNS = {"Deployment": "{name}-[a-z0-9]+-[a-z0-9]+", "LeaderWorkerSet": "{name}-[0-9]+"}
+TARGET_API = {"Deployment": "apps/v1", "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1"}
+
+
+def trigger_queries(selector: str) -> dict[str, str]:
+    """The PromQL of each trigger, summed over the pool (KEDA's AverageValue divides the sum by
+    the replicas): requests running, requests waiting, and each replica's mean KV usage over its
+    engines summed over replicas."""
+    return {"running": f"sum({RUNNING}{{{selector}}})",
+            "waiting": f"sum({WAITING}{{{selector}}})",
+            "kv_usage": f"sum(avg by (pod) ({KV_USAGE}{{{selector}}}))"}
+
+
+def scaled_object(plan: Mapping[str, Any], name: str = "vlaunch", kind: str = "Deployment",
+                  namespace: str | None = None,
+                  prometheus_url: str = PROMETHEUS_URL) -> dict[str, Any]:
+    """A keda.sh/v1alpha1 ScaledObject that scales the workload `kind`/`name` of the plan's
+    pool on vLLM's gauges, at the plan's `autoscaling` targets and windows."""
+    a = plan.get("autoscaling") if isinstance(plan, Mapping) else None
+    if not isinstance(a, Mapping):
+        raise InputError("the plan has no `autoscaling` (it does not fit, or has no SLO knee); "
+                         "re-plan with a reachable --slo")
+    if kind not in POD_PATTERNS:
+        raise InputError(f"cannot scale a {kind}; one of {', '.join(POD_PATTERNS)}")
+    selector = f'pod=~"{POD_PATTERNS[kind].format(name=name)}"'
+    if namespace:
+        selector = f'namespace="{namespace}", {selector}'
+    queries = trigger_queries(selector)
+    thresholds = {"running": a["target_running_per_replica"],
+                  "waiting": a["target_waiting_per_replica"],
+                  "kv_usage": a["kv_usage_threshold"]}
+    role = a.get("role", "aggregated")
+    meta: dict[str, Any] = {"name": name if role == "aggregated" else f"{name}-{role}",
+                            "labels": {"app.kubernetes.io/name": "vlaunch",
+                                       "app.kubernetes.io/component": role}}
+    if namespace:
+        meta["namespace"] = namespace
+    return {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta,
+        "spec": {
+            "scaleTargetRef": {"apiVersion": TARGET_API[kind], "kind": kind, "name": name},
+            "minReplicaCount": int(a["min_replicas"]), "maxReplicaCount": int(a["max_replicas"]),
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": int(a["scale_up_stabilization_s"])},
+                "scaleDown": {"stabilizationWindowSeconds":
+                              int(a["scale_down_stabilization_s"])}}}},
+            "triggers": [{"type": "prometheus", "name": f"vllm-{key.replace('_', '-')}",
+                          "metricType": "AverageValue",
+                          "metadata": {"serverAddress": prometheus_url, "query": q,
+                                       "threshold": f"{thresholds[key]:g}"}}
+                         for key, q in queries.items()],
+        },
+    }
+
+
+def scaled_objects_text(plan: Mapping[str, Any], **kw: Any) -> str:
+    """The ScaledObject of each pool of the plan, as YAML documents (one pool today)."""
+    import yaml
+
+    header = ("# GENERATED by vlaunch from the plan's autoscaling (launcher/run/emit.py): the\n"
+              "# thresholds are the replica's capacity at the SLO knee, the windows its\n"
+              "# start-up.\n")
+    return header + yaml.safe_dump(scaled_object(plan, **kw), sort_keys=False, width=100)

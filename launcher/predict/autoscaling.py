@@ -168,7 +168,7 @@ def derive(knee: Knee, *, ttft_slo_ms: float, single_ttft_ms: float, dp: int,
     backlog = (round(max(0.0, ttft_slo_ms - single_ttft_ms) / 1e3, 3)
                if role == "prefill" else None)
     notes = [f"replicas: {why}"]
-    up = math.ceil(round(startup.seconds, 1))
+    up = math.ceil(startup.seconds - 1e-9)  # never shorter than the start-up
     down = max(up, HPA_SCALE_DOWN_DEFAULT_S)
     if down > HPA_MAX_WINDOW_S:
         notes.append(f"start-up {startup.seconds:,.0f} s is longer than the {HPA_MAX_WINDOW_S} s "

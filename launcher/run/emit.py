@@ -176,13 +176,13 @@ POD_PATTERNS = {"Deployment": "{name}-[a-z0-9]+-[a-z0-9]+", "LeaderWorkerSet": "
 TARGET_API = {"Deployment": "apps/v1", "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1"}
 
 
-def trigger_queries(selector: str) -> dict[str, str]:
+def trigger_queries(selector: str, replica_label: str = "pod") -> dict[str, str]:
     """The PromQL of each trigger, summed over the pool (KEDA's AverageValue divides the sum by
     the replicas): requests running, requests waiting, and each replica's mean KV usage over its
-    engines summed over replicas."""
+    engines (the series of one `replica_label` value) summed over replicas."""
     return {"running": f"sum({RUNNING}{{{selector}}})",
             "waiting": f"sum({WAITING}{{{selector}}})",
-            "kv_usage": f"sum(avg by (pod) ({KV_USAGE}{{{selector}}}))"}
+            "kv_usage": f"sum(avg by ({replica_label}) ({KV_USAGE}{{{selector}}}))"}
 
 
 def scaled_object(plan: Mapping[str, Any], name: str = "vlaunch", kind: str = "Deployment",

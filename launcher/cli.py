@@ -632,6 +632,7 @@ def pins_from_plan(d: dict):
 def goals_from_plan(d: dict) -> dict | None:
     """The workload, SLO and objective an emitted plan was made for, so exec re-plans for them."""
     from .inputs.workload import SLO, Workload
+    from .predict.autoscaling import ask_from_plan
 
     perf = d.get("performance")
     if not perf:
@@ -640,7 +641,8 @@ def goals_from_plan(d: dict) -> dict | None:
                                  perf.get("workload", "custom"),
                                  bool(perf.get("assumed_workload"))),
             "objective": perf["objective"],
-            "slo": SLO(float(perf["slo"]["ttft_ms"]), float(perf["slo"]["tpot_ms"]))}
+            "slo": SLO(float(perf["slo"]["ttft_ms"]), float(perf["slo"]["tpot_ms"])),
+            **ask_from_plan(d)}  # the pool's bounds and weights path, as emitted
 
 
 @cli.command("tune")

@@ -73,6 +73,7 @@ def plan_text(d: dict[str, Any]) -> str:
     lines.append(f"    vLLM may use {d['per_gpu']['requested_bytes'] / GiB:.2f} GiB "
                  f"of {g['total_bytes'] / GiB:.2f} GiB ({g['free_bytes'] / GiB:.2f} GiB free)")
     lines += performance_lines(d)
+    lines += scaling_lines(d)
     for title, key in (("why", "reasons"), ("warnings", "warnings"),
                        ("what would fit", "suggestions")):
         items = [x for x in d.get(key) or () if str(x).strip()]
@@ -87,6 +88,23 @@ def plan_text(d: dict[str, Any]) -> str:
         lines.append("  command:")
         lines.append(f"    {env} vllm serve " + shlex.join(redact_args(d["vllm_args"])))
     return "\n".join(lines)
+
+
+def scaling_lines(d: dict[str, Any]) -> list[str]:
+    """One replica's start-up and the pool's autoscaling targets (plan.json's figures)."""
+    st, a = d.get("startup"), d.get("autoscaling")
+    out = []
+    if st:
+        terms = ", ".join(f"{k.replace('_', ' ')} {v:,.0f} s" for k, v in st["terms"].items())
+        out.append(f"  start-up ({st['source']}, weights from {st['load_path']}): "
+                   f"{st['seconds']:,.0f} s ({terms})")
+    if a:
+        out.append(f"  autoscaling ({a['role']}): {a['min_replicas']}-{a['max_replicas']} "
+                   f"replicas; per replica {a['target_running_per_replica']} running, "
+                   f"{a['target_waiting_per_replica']} waiting, KV {a['kv_usage_threshold']:.0%}; "
+                   f"windows up {a['scale_up_stabilization_s']:,} s, down "
+                   f"{a['scale_down_stabilization_s']:,} s")
+    return out
 
 
 def _node_commands(d: dict[str, Any]) -> list[str]:

@@ -840,3 +840,16 @@ def test_scaled_object_crd_check_is_not_vacuous():
     bad = copy.deepcopy(so)
     del bad["spec"]["triggers"][0]["type"]
     assert list(validator.iter_errors(bad))
+
+
+def test_pods_plan_the_pool_the_scaled_object_scales(overlay):
+    """The init container plans with the ScaledObject's bounds and the model volume as the
+    weights' path, so the exporter's capacity per replica is the trigger's threshold."""
+    name, objs = overlay
+    folder = "overlays/" + ("deepseek-r1-2x8xh100" if name.endswith("-deepep") else name)
+    (so,) = _of_kind(objs, "ScaledObject")
+    for where, template in _pod_templates(objs):
+        args = _argv(_container(template["spec"], "plan", init=True))
+        assert args[args.index("--weights-from") + 1] == "volume", where
+        assert int(args[args.index("--max-replicas") + 1]) == so["spec"]["maxReplicaCount"] \
+            == _generator().MAX_REPLICAS[folder], where

@@ -231,3 +231,25 @@ def test_desired_replicas_is_ceil_of_live_load_over_the_plans_capacity():
     (none,) = [f for f in scaling_families(plan, None) if f.name == "vlaunch_desired_replicas"]
     assert none.samples == []
     assert list(scaling_families({}, None)) == []
+
+
+def test_phase_durations_split_launch_to_ready():
+    marks = [("starting", 10.0), ("loading_weights", 12.5), ("profiling", 20.0)]
+    assert startup_measured.phase_durations(marks, 31.0, 10.0) == {
+        "starting": 2.5, "loading_weights": 7.5, "profiling": 11.0}
+
+
+def test_a_corrupt_measured_startup_is_reported_and_not_used(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
+    (tmp_path / "startup.json").write_text('{"k": {"seconds": "fast", "phases": {}}}')
+    assert startup_measured.lookup("k", "local") is None
+    assert "startup.json" in capsys.readouterr().err
+
+
+def test_exec_replans_with_the_emitted_bounds_and_weights_path():
+    from launcher.predict.autoscaling import ask_from_plan
+
+    d = {"autoscaling": {"min_replicas": 2, "max_replicas": 5}, "startup": {"load_path": "volume"}}
+    assert ask_from_plan(d) == {"scaling": ScalingAsk(min_replicas=2, max_replicas=5),
+                                "load_path": "volume"}
+    assert ask_from_plan({"autoscaling": None, "startup": None}) == {}

@@ -157,6 +157,7 @@ def test_measured_startup_is_used_by_the_next_plan(tmp_path, monkeypatch, tiny_m
     assert d2["startup"]["source"] == "measured" and d2["startup"]["seconds"] == 41.5
     assert d2["startup"]["terms"] == {"starting": 4.0, "loading_weights": 6.0,
                                       "profiling": 20.0, "allocating_kv_cache": 11.5}
+    assert list(d2["startup"]["terms"])[0] == "starting"  # in the order vLLM went through them
     assert d2["autoscaling"]["startup_s"] == 41.5
     assert d2["autoscaling"]["scale_up_stabilization_s"] == 42
     assert startup_measured.key(d, "local") != startup_measured.key(d, "hub")

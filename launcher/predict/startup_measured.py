@@ -43,12 +43,13 @@ def lookup(k: str, load_path: str) -> Startup | None:
     if row is None:
         return None
     s = row.get("seconds") if isinstance(row, dict) else None
-    phases = row.get("phases") if isinstance(row, dict) else None
+    pairs = row.get("phases") if isinstance(row, dict) else None
     if (isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 and math.isfinite(s)
-            and isinstance(phases, dict)
-            and all(isinstance(v, (int, float)) for v in phases.values())):
-        return measured(float(s), phases, load_path, str(row.get("recorded_at", "?")))
-    report_corrupt(_store(), f"entry {k!r} has no positive `seconds` and `phases` map")
+            and isinstance(pairs, list)
+            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                    and isinstance(p[1], (int, float)) for p in pairs)):
+        return measured(float(s), dict(pairs), load_path, str(row.get("recorded_at", "?")))
+    report_corrupt(_store(), f"entry {k!r} has no positive `seconds` and `phases` list")
     return None
 
 
@@ -68,7 +69,9 @@ def record(d: dict[str, Any], load_path: str, seconds: float, phases: dict[str, 
     """Keep a measured start-up of the plan `d` for later plans (atomic, under a lock)."""
     if not (seconds > 0 and math.isfinite(seconds)):
         return None
-    row = {"seconds": round(seconds, 2), "phases": {p: round(v, 2) for p, v in phases.items()},
+    # phases as [name, seconds] pairs: in the order vLLM went through them (a JSON object's
+    # keys are sorted when the store is written)
+    row = {"seconds": round(seconds, 2), "phases": [[p, round(v, 2)] for p, v in phases.items()],
            "source": source, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     k = key(d, load_path)
 

@@ -55,8 +55,9 @@ LOAD_PATHS = {
         "(110 s -> 52 s) by moving the model cache to a hostPath"),
     "hub": LoadPath(
         "hub", 100 * MiB,
-        "the Hugging Face Hub: 100 MiB/s assumed for a download into an empty cache (one "
-        "client's HTTPS stream from the Hub's CDN; hf_transfer can go faster)"),
+        "the Hugging Face Hub into an empty cache: 100 MiB/s assumed, about a 1 Gbit/s link "
+        "(huggingface/hf_transfer's README: plain Python downloads top out near 500 MB/s even "
+        "on very high-bandwidth networks, so the link, not the Hub, is the usual limit)"),
 }
 
 PROCESS_START_S = 20.0

@@ -47,13 +47,13 @@ def _decide() -> None:
     spec, hw, w = load_model("deepseek-r1"), parse_gpus("8xH200"), resolve_workload(preset="chat")
     print("demo: $ vlaunch plan deepseek-r1 --gpus 8xH200 --workload chat --objective ...")
     for objective in ("throughput", "latency"):
-        d = make_plan(spec, hw, workload=w, objective=objective).to_dict()
-        perf = d["performance"]
-        k, one = perf["knee"], perf["single_request"]
-        label = next(r for r in d["reasons"] if r.startswith("layout ")).split(":")[0]
-        print(f"    {objective:10} -> {label[7:]}: {k['output_tokens_per_s']:,.0f} output tok/s "
-              f"at {k['concurrency']:,.0f} in flight within TPOT {perf['slo']['tpot_ms']:.0f} ms;"
-              f" one request alone {one['tpot_ms']:.1f} ms/token ({perf['source']})")
+        dep = make_plan(spec, hw, workload=w, objective=objective).deployment()
+        perf, slo = dep.performance, dep.slo
+        k, one = perf.knee, perf.single_request
+        label = next(r for r in dep.reasons if r.code == "layout").data["label"]
+        print(f"    {objective:10} -> {label}: {k.output_tokens_per_s:,.0f} output tok/s "
+              f"at {k.concurrency:,.0f} in flight within TPOT {slo.tpot_ms:.0f} ms;"
+              f" one request alone {one.tpot_ms:.1f} ms/token ({perf.source})")
     cap = capacity.plan_capacity(spec, capacity.Load(users=500), w, SLO(),
                                  ["8xH200", "8xB200", "2x8xH100"])
     rec = cap["recommended"]
@@ -67,6 +67,7 @@ def _decide() -> None:
 
 
 def main() -> int:
+    from .inputs import vllm_flags as F
     from .run.tinymodel import ensure_tiny_model
 
     _decide()
@@ -76,7 +77,7 @@ def main() -> int:
     workdir = Path(os.environ.get("VLAUNCH_DEMO_DIR", ".cache/demo"))
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "launcher.cli", "serve", str(model), "--gpus", "cpu",
-           "--kv-cache-memory-bytes", str(256 << 20), "--metrics-port", "0",
+           F.BY_DEST["kv_cache_memory_bytes"].pin.option, str(256 << 20), "--metrics-port", "0",
            "--log-dir", str(workdir)]
     print("demo: $ vlaunch " + " ".join(cmd[3:]), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

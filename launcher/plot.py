@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .deployment import plan as P
 from .errors import InputError
 from .render import alt_label
 
@@ -73,28 +74,37 @@ def _frame(ax: Any, slo: dict[str, float], title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def plan_plot(d: dict[str, Any], path: str) -> Path:
+def _points(curve: Any) -> list[dict[str, float]]:
+    """A curve as the drawing reads it: typed points (a plan) or capacity's JSON points."""
+    return [p if isinstance(p, dict) else {"tpot_ms": p.tpot_ms,
+                                           "output_tokens_per_s": p.output_tokens_per_s}
+            for p in curve]
+
+
+def plan_plot(d: P.Deployment, path: str) -> Path:
     """The chosen layout's curve (bold, knee starred) and each runner-up's."""
-    perf = d.get("performance")
-    if not d.get("fits"):
+    perf, slo, w = d.performance, d.slo, d.workload
+    if not d.fits:
         raise InputError("nothing to plot: the plan does not fit")
-    if not perf:
+    if perf is None or slo is None or w is None:
         raise InputError("no performance prediction to plot (the GPU has no speed facts)")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    p = d["parallel"]
-    label = f"TP{p['tp']}" + (f"xPP{p['pp']}" if p["pp"] > 1 else "") + (
-        f"xDP{p['dp']}" if p["dp"] > 1 else "") + ("+EP" if p["expert_parallel"] else "")
-    mtp = ((d.get("serving") or {}).get("speculative") or {})
-    k = mtp.get("num_speculative_tokens") if mtp.get("enabled") else 0
-    _draw(ax, perf["curve"], f"{label} kv {d['kv_cache']['dtype']}, "
-          + (f"MTP {k}" if k else "no MTP") + " (chosen)", perf.get("knee"), linewidth=2.5)
-    for alt in d.get("alternatives") or []:
-        ap = alt.get("performance") if isinstance(alt, dict) else None
-        if ap:
-            _draw(ax, ap["curve"], alt_label(alt), ap.get("knee"), linewidth=1, alpha=0.7)
-    _frame(ax, perf["slo"], f"{d['model']['name']} on {d['gpus']['count']}x{d['gpus']['name']}: "
-           f"{perf['input_len']:,} in / {perf['output_len']:,} out ({perf['source']})")
+    p, pool = d.engine.parallel, d.pool
+    label = f"TP{p.tp}" + (f"xPP{p.pp}" if p.pp > 1 else "") + (
+        f"xDP{p.dp}" if p.dp > 1 else "") + ("+EP" if p.expert_parallel else "")
+    spec = pool.engine.speculative_config
+    k = spec.num_speculative_tokens if spec else 0
+    _draw(ax, _points(perf.curve), f"{label} kv {pool.kv_cache.dtype}, "
+          + (f"MTP {k}" if k else "no MTP") + " (chosen)", _points([perf.knee])[0]
+          if perf.knee else None, linewidth=2.5)
+    for alt in d.runners_up:
+        if alt.performance is not None:
+            ap = alt.performance
+            _draw(ax, _points(ap.curve), alt_label(alt),
+                  _points([ap.knee])[0] if ap.knee else None, linewidth=1, alpha=0.7)
+    _frame(ax, {"tpot_ms": slo.tpot_ms}, f"{d.model.name} on {d.hardware.count}x"
+           f"{d.hardware.name}: {w.input_len:,} in / {w.output_len:,} out ({perf.source})")
     out = _save(fig, path)
     plt.close(fig)
     return out

@@ -17,53 +17,47 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from .inputs import vllm_flags as F
+
 REDACTED = "***"
-# flag -> the environment variable vLLM reads instead (the safe way to pass it).
-SECRET_FLAGS = {"--api-key": "VLLM_API_KEY", "--hf-token": "HF_TOKEN"}
+# flag -> the environment variable vLLM reads instead (the safe way to pass it): the flag
+# table's secrets (launcher/inputs/vllm_flags.py).
+SECRET_FLAGS = {f.name: str(f.secret_env) for f in F.flags() if f.secret}
 # Environment names whose values are secrets: HF_TOKEN, VLLM_API_KEY, AWS_SECRET_ACCESS_KEY...
 _SECRET_ENV = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|KEY)$", re.I)
 
 
-def _flag_name(arg: str) -> str:
-    """`--api_key=x` -> `--api-key` (vLLM's parser folds underscores in option names)."""
-    name = arg.split("=", 1)[0]
-    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
-
-
-def _takes_value(arg: str) -> bool:
-    """A value, not the next option (argparse stops a list at anything that looks like one)."""
-    return not arg.startswith("-") or arg == "-"
-
-
 def secret_flags(args: Sequence[str]) -> list[str]:
-    """The secret-bearing flags present in `args` (canonical names, first-seen order)."""
+    """The secret-bearing flags present in `args` (canonical names, first-seen order), counting
+    the abbreviations argparse accepts (`--api-ke` is `--api-key`)."""
     found: list[str] = []
     for a in args:
-        name = _flag_name(a)
-        if name in SECRET_FLAGS and name not in found:
-            found.append(name)
+        f = F.secret_of(a)
+        if f is not None and f.name not in found:
+            found.append(f.name)
     return found
 
 
 def redact_args(args: Sequence[str]) -> list[str]:
-    """`args` with the values of --api-key / --hf-token replaced by ***; the flags stay, so a
-    reader still sees that a key was given. A bare `--hf-token` (no value) is left as it is."""
+    """`args` with the values of --api-key / --hf-token (or any prefix argparse expands to
+    one) replaced by ***; the flags stay, so a reader still sees that a key was given. A bare
+    `--hf-token` (no value) is left as it is."""
     out: list[str] = []
-    following: str | None = None  # the secret flag whose values we are in
+    following = None  # the secret flag whose values we are in
     for a in args:
-        if following is not None and _takes_value(a):
+        if following is not None and F.takes_value(a):
             out.append(REDACTED)
-            if following == "--hf-token":  # one value at most
+            if following.kind != F.LIST:  # one value at most
                 following = None
             continue
         following = None
-        name = _flag_name(a)
-        if name in SECRET_FLAGS:
+        f = F.secret_of(a)
+        if f is not None:
             if "=" in a:
                 out.append(a.split("=", 1)[0] + "=" + REDACTED)
             else:
                 out.append(a)
-                following = name
+                following = f
             continue
         out.append(a)
     return out

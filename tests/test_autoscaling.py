@@ -144,14 +144,14 @@ def test_measured_startup_is_used_by_the_next_plan(tmp_path, monkeypatch, tiny_m
     from launcher.run.startup_timing import learn_startup
 
     spec, hw = load_model(str(tiny_model)), parse_gpus("cpu")
-    d = make_plan(spec, hw).to_dict()
-    assert d["startup"]["source"] == "model"
+    dep = make_plan(spec, hw).deployment()
+    assert dep.pool.startup.source == "model"
 
     class Runner:  # phases as VllmRunner marks them
         phase_marks = [("starting", 100.0), ("loading_weights", 104.0), ("profiling", 110.0),
                        ("allocating_kv_cache", 130.0), ("ready", 141.5)]
 
-    line = learn_startup(Runner(), d, None)
+    line = learn_startup(Runner(), dep, None)
     assert line and "41.5 s" in line
     d2 = make_plan(spec, hw).to_dict()
     assert d2["startup"]["source"] == "measured" and d2["startup"]["seconds"] == 41.5
@@ -160,7 +160,7 @@ def test_measured_startup_is_used_by_the_next_plan(tmp_path, monkeypatch, tiny_m
     assert list(d2["startup"]["terms"])[0] == "starting"  # in the order vLLM went through them
     assert d2["autoscaling"]["startup_s"] == 41.5
     assert d2["autoscaling"]["scale_up_stabilization_s"] == 42
-    assert startup_measured.key(d, "local") != startup_measured.key(d, "hub")
+    assert startup_measured.key(dep, "local") != startup_measured.key(dep, "hub")
 
 
 def test_plan_cli_bad_replicas_is_one_line_exit_2(tiny_model):
@@ -180,23 +180,23 @@ def _plan(tiny_model, **ask):
     from launcher.predict.planner import make_plan
 
     return make_plan(load_model(str(tiny_model)), parse_gpus("cpu"),
-                     scaling=ScalingAsk(**ask)).to_dict()
+                     scaling=ScalingAsk(**ask)).deployment()
 
 
 def test_emit_writes_the_scaled_object_of_the_plan(tmp_path, monkeypatch, tiny_model):
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path / "cache"))
-    d = _plan(tiny_model, users=100)
-    paths = emit_plan(d, tmp_path / "out")
+    dep = _plan(tiny_model, users=100)
+    paths = emit_plan(dep, tmp_path / "out")
     assert [p.name for p in paths][-1] == "plan.json"
     (so,) = list(yaml.safe_load_all((tmp_path / "out" / "scaledobject.yaml").read_text()))
-    assert so == scaled_object(d)
-    a = d["autoscaling"]
-    assert so["spec"]["maxReplicaCount"] == a["max_replicas"] == 4
+    a = dep.pool.autoscaling
+    assert so == scaled_object(a)
+    assert so["spec"]["maxReplicaCount"] == a.max_replicas == 4
     thresholds = [float(t["metadata"]["threshold"]) for t in so["spec"]["triggers"]]
-    assert thresholds == [a["target_running_per_replica"], a["target_waiting_per_replica"],
-                          a["kv_usage_threshold"]]
+    assert thresholds == [a.target_running_per_replica, a.target_waiting_per_replica,
+                          a.kv_usage_threshold]
     with pytest.raises(InputError, match="no `autoscaling`"):
-        scaled_object({**d, "autoscaling": None})
+        scaled_object(None)
 
 
 def _page(running: dict[str, int], waiting: dict[str, int]) -> str:
@@ -211,9 +211,15 @@ def _page(running: dict[str, int], waiting: dict[str, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_desired_replicas_is_ceil_of_live_load_over_the_plans_capacity():
-    plan = {"autoscaling": {"target_running_per_replica": 34, "role": "decode"},
-            "performance": {"slo": {"ttft_ms": 2000, "tpot_ms": 50}}}
+def test_desired_replicas_is_ceil_of_live_load_over_the_plans_capacity(tmp_path, monkeypatch,
+                                                                      tiny_model):
+    import dataclasses
+
+    monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
+    dep = _plan(tiny_model)
+    pool = dataclasses.replace(dep.pool, autoscaling=dataclasses.replace(
+        dep.pool.autoscaling, target_running_per_replica=34, role="decode"))
+    plan = dataclasses.replace(dep, pools=(pool,))
     rng = random.Random(5)
     for _ in range(200):
         engines = [str(i) for i in range(rng.randint(1, 8))]
@@ -227,11 +233,11 @@ def test_desired_replicas_is_ceil_of_live_load_over_the_plans_capacity():
         (cap,) = fams["vlaunch_replica_capacity_requests"].samples
         assert cap.value == 34
     slo = {s.labels["quantity"]: s.value for s in fams["vlaunch_plan_slo_seconds"].samples}
-    assert slo == {"ttft": 2.0, "tpot": 0.05}
+    assert slo == {"ttft": dep.slo.ttft_ms / 1e3, "tpot": dep.slo.tpot_ms / 1e3}
     # nothing scraped: the count is left out, never frozen; no autoscaling: no families
     (none,) = [f for f in scaling_families(plan, None) if f.name == "vlaunch_desired_replicas"]
     assert none.samples == []
-    assert list(scaling_families({}, None)) == []
+    assert list(scaling_families(None, None)) == []
 
 
 def test_phase_durations_split_launch_to_ready():
@@ -248,9 +254,11 @@ def test_a_corrupt_measured_startup_is_reported_and_not_used(tmp_path, monkeypat
 
 
 def test_exec_replans_with_the_emitted_bounds_and_weights_path():
+    from types import SimpleNamespace as NS
+
     from launcher.predict.autoscaling import ask_from_plan
 
-    d = {"autoscaling": {"min_replicas": 2, "max_replicas": 5}, "startup": {"load_path": "volume"}}
-    assert ask_from_plan(d) == {"scaling": ScalingAsk(min_replicas=2, max_replicas=5),
-                                "load_path": "volume"}
-    assert ask_from_plan({"autoscaling": None, "startup": None}) == {}
+    pool = NS(autoscaling=NS(min_replicas=2, max_replicas=5), startup=NS(load_path="volume"))
+    assert ask_from_plan(NS(pool=pool)) == {
+        "scaling": ScalingAsk(min_replicas=2, max_replicas=5), "load_path": "volume"}
+    assert ask_from_plan(NS(pool=NS(autoscaling=None, startup=None))) == {}

@@ -43,7 +43,7 @@ def test_exporter_plan_accepts_the_folder_exec_accepts(tmp_path, monkeypatch):
         r = CliRunner().invoke(cli, ["exporter", "--vllm-url", "http://127.0.0.1:1", "--plan",
                                      str(given)])
         assert r.exit_code == 0, r.output
-        assert seen["plan"]["model"]["name"] == "llama-3.1-8b"
+        assert seen["plan"].model.name == "llama-3.1-8b"  # the typed plan
     r = CliRunner().invoke(cli, ["exporter", "--vllm-url", "http://x", "--plan",
                                  str(tmp_path / "nothing")])
     assert r.exit_code == 2 and "no plan at" in r.output
@@ -120,13 +120,14 @@ def test_profiles_are_listed_by_name():
 @pytest.mark.parametrize("suggestions, heading", [([], False), ([""], False), (["  "], False),
                                                   (["8xH200 fits"], True)])
 def test_what_would_fit_heading_only_above_suggestions(tmp_path, suggestions, heading):
+    from launcher.deployment.codec import load
     from launcher.render import plan_text
 
     r = CliRunner().invoke(cli, ["plan", "deepseek-v3", "--gpus", "1xH100", "--format", "json"])
     d = json.loads(r.output)
     assert not d["fits"]
-    d["suggestions"] = suggestions
-    text = plan_text(d)
+    d["suggestions"] = [{"code": "suggest", "text": s, "data": {}} for s in suggestions]
+    text = plan_text(load(d))
     assert ("what would fit:" in text) is heading
     assert not re.search(r"^  [a-z ]+:\n(?!    )", text + "\n", re.M), text  # no empty heading
 
@@ -134,8 +135,16 @@ def test_what_would_fit_heading_only_above_suggestions(tmp_path, suggestions, he
 def test_exec_says_pinned_by_you_only_for_the_users_pins(tmp_path):
     folder = _emit(tmp_path, "--max-model-len", "8192")
     reasons = json.loads((folder / "plan.json").read_text())["reasons"]
-    assert [r for r in reasons if "pinned by you" in r] == ["max-model-len 8,192: pinned by you"]
+    assert [r["code"] for r in reasons if r["data"].get("pinned")] == [
+        "vllm.version", "max_model_len.pinned"]  # the user's pins, by code (_emit pins vLLM)
+    # exec runs the plan as it is: its reasons are the emitted plan's
     r = CliRunner().invoke(cli, ["exec", "--plan", str(folder), "--dry-run", "--no-metrics"])
+    assert r.exit_code == 0, r.output
+    pinned = [x.strip() for x in r.output.splitlines() if "pinned" in x]
+    assert pinned == ["- max-model-len 8,192: pinned by you"], pinned
+    # --replan re-plans with every decision pinned: only the user's keep the label
+    r = CliRunner().invoke(cli, ["exec", "--plan", str(folder), "--replan", "--dry-run",
+                                 "--no-metrics"])
     assert r.exit_code == 0, r.output
     pinned = [x.strip() for x in r.output.splitlines() if "pinned" in x]
     assert pinned == ["- max-model-len 8,192: pinned by you"], pinned

@@ -89,8 +89,12 @@ def vllm_metric_names() -> set[str] | None:
 def vlaunch_metric_names() -> set[str]:
     """Sample names the exporter can emit, from its collector with every source present
     (vLLM pointed at a closed port so the engine families appear without a server)."""
-    exp = ex.Exporter("http://127.0.0.1:1", plan={"kv_cache": {"tokens": 1},
-                                                  "autoscaling": {"target_running_per_replica": 4}},
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.planner import make_plan
+
+    plan = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100")).deployment()
+    exp = ex.Exporter("http://127.0.0.1:1", plan=plan,
                       gpu_reader=lambda: [], timeout_s=0.2)
     return {f.name + ("_total" if f.type == "counter" else "") for f in exp.collect()}
 

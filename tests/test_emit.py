@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import shlex
 import subprocess
@@ -11,31 +13,37 @@ from pathlib import Path
 
 import pytest
 
+from launcher.deployment import plan as P
+from launcher.deployment.argv import engine_argv
 from launcher.errors import InputError
+from launcher.inputs.hardware import parse_gpus
+from launcher.inputs.model import load_model
+from launcher.predict.planner import Pins, make_plan
 from launcher.run import emit
 from launcher.run.emit import emit_plan, load_plan, write_termination_message
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _plan(**over) -> dict:
-    plan = {
-        "fits": True,
-        "model": {"name": "deepseek-ai/DeepSeek-V3", "architecture": "DeepseekV3ForCausalLM"},
-        "parallel": {"tp": 8, "pp": 1, "dp": 1, "expert_parallel": False, "nodes": 1},
-        "vllm_args": [
-            "--model",
-            "deepseek-ai/DeepSeek-V3",
-            "--tensor-parallel-size",
-            "8",
-            "--served-model-name",
-            'it\'s a "model"',
-        ],  # fmt: skip
-        "env": {"VLLM_USE_V1": "1", "WEIRD": "a b;$(rm -rf /)'\"", "EMPTY": ""},
-        "warnings": [],
-    }
-    plan.update(over)
-    return plan
+@functools.cache
+def _base() -> P.Deployment:
+    return make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
+                     Pins(vllm_version="0.32.0")).deployment()
+
+
+def _plan(served: str = 'it\'s a "model"', env: dict | None = None,
+          **engine: object) -> P.Deployment:
+    """A real plan with a served name and an environment that need quoting."""
+    d = _base()
+    pool = dataclasses.replace(
+        d.pool, engine=dataclasses.replace(d.engine, served_model_name=served, **engine),
+        env=env if env is not None else {"VLLM_USE_V1": "1", "WEIRD": "a b;$(rm -rf /)'\"",
+                                         "EMPTY": ""})
+    return dataclasses.replace(d, pools=(pool,))
+
+
+def _args(d: P.Deployment) -> list[str]:
+    return engine_argv(d.engine)
 
 
 def test_emit_writes_three_files_that_round_trip(tmp_path):
@@ -44,7 +52,7 @@ def test_emit_writes_three_files_that_round_trip(tmp_path):
     assert load_plan(tmp_path / "plan") == _plan()
     assert load_plan(tmp_path / "plan" / "plan.json") == _plan()
     args = (tmp_path / "plan" / "vllm-args").read_text().splitlines()
-    assert args == _plan()["vllm_args"]
+    assert args == _args(_plan()) and 'it\'s a "model"' in args
     # Nothing but the three files: the temp files were renamed, not left behind.
     assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == sorted(p.name for p in paths)
 
@@ -57,17 +65,17 @@ def test_env_file_is_shell_safe(tmp_path):
         ["bash", "-c", script], capture_output=True, check=True, env={"PATH": os.defpath}
     ).stdout.decode()
     seen = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
-    for key, value in _plan()["env"].items():
+    for key, value in _plan().pool.env.items():
         assert seen[key] == value
 
 
 @pytest.mark.parametrize(
     "bad",
     [
-        {"vllm_args": "--model x"},
-        {"vllm_args": ["--model", "a\nb"]},
+        {"served": "a\nb"},
+        {"served": "a\rb"},
         {"env": {"BAD-NAME": "1"}},
-        {"env": ["A=1"]},
+        {"env": {"A=1": "x"}},
     ],
 )
 def test_unexpressible_plan_is_an_input_error_and_writes_nothing(tmp_path, bad):
@@ -113,8 +121,14 @@ def test_crash_mid_write_leaves_previous_plan_readable(tmp_path):
                 self.f.write(text[: len(text) // 2]); self.f.flush()
                 os._exit(9)  # the kernel's SIGKILL, as far as this file is concerned
         emit.os.fdopen = lambda fd, *a, **k: Half(real_write(fd, *a, **k))
-        plan = {{"vllm_args": ["--model", "new"], "parallel": {{}}, "big": "x" * 100000}}
-        emit.emit_plan(plan, {str(tmp_path)!r})
+        import dataclasses
+        from launcher.inputs.hardware import parse_gpus
+        from launcher.inputs.model import load_model
+        from launcher.predict.planner import Pins, make_plan
+        plan = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
+                         Pins(vllm_version="0.32.0")).deployment()
+        pool = dataclasses.replace(plan.pool, env={{"BIG": "x" * 100000}})
+        emit.emit_plan(dataclasses.replace(plan, pools=(pool,)), {str(tmp_path)!r})
         """
     )
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True)
@@ -123,12 +137,13 @@ def test_crash_mid_write_leaves_previous_plan_readable(tmp_path):
     leftovers = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert leftovers and leftovers[0].stat().st_size > 0
     assert load_plan(tmp_path) == _plan()
-    assert (tmp_path / "vllm-args").read_text().splitlines() == _plan()["vllm_args"]
+    assert (tmp_path / "vllm-args").read_text().splitlines() == _args(_plan())
 
 
 @pytest.mark.parametrize(
     "content, match",
-    [(None, "no plan at"), ("{not json", "not valid JSON"), ('{"fits": true}', "not a vlaunch")],
+    [(None, "no plan at"), ("{not json", "not valid JSON"), ('{"fits": true}', "no `pools`"),
+     ("[1]", "JSON object")],
 )
 def test_load_plan_errors(tmp_path, content, match):
     if content is not None:

@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 from test_kubernetes import _kustomize
 
+from launcher.deployment.codec import load
 from launcher.errors import InputError
 from launcher.inputs.hardware import GiB, MiB, parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import resolve_workload
 from launcher.predict import budget as B
 from launcher.predict import ep_backend as EP
-from launcher.predict.planner import Pins, inputs_from_plan, make_plan
+from launcher.predict.plan_inputs import inputs_from_plan
+from launcher.predict.planner import Pins, make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 R1 = load_model("deepseek-r1")
@@ -106,11 +108,12 @@ def test_plan_takes_deepep_buffers_from_kv_and_shows_why(with_deepep):
     assert d["per_gpu"]["non_torch_bytes"] - base["per_gpu"]["non_torch_bytes"] == (
         e["buffer_bytes_per_gpu"])
     assert d["kv_cache"]["tokens"] < base["kv_cache"]["tokens"]
-    reason = next(r for r in d["reasons"] if r.startswith("all2all-backend deepep_low_latency"))
+    reason = next(r["text"] for r in d["reasons"]
+                  if r["text"].startswith("all2all-backend deepep_low_latency"))
     assert "GiB of NVSHMEM buffers" in reason and "KV " in reason
     assert e["buffer_bytes_per_gpu"] / GiB > 1
     # exec reproduces it
-    spec, hw, p = inputs_from_plan(d)
+    spec, hw, p = inputs_from_plan(load(d))
     assert p.all2all_backend == "deepep_low_latency"
 
 

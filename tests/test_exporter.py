@@ -7,6 +7,7 @@ as labels), so the parser sees the same exposition a real server sends.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,34 +28,40 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from launcher.deployment import plan as P
+from launcher.deployment.codec import dump
+from launcher.deployment.plan import PerGpuBudget
 from launcher.errors import InputError
+from launcher.inputs.hardware import parse_gpus
+from launcher.inputs.model import load_model
 from launcher.observe import exporter as ex
 from launcher.observe import scrapeclient, vllmpage
+from launcher.predict.planner import Pins, make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-deepseek-v3"
 
-PLAN = {
-    "fits": True,
-    "model": {"name": MODEL, "architecture": "DeepseekV3ForCausalLM", "params": 30_000_000,
-              "weights_bytes": 60_000_000, "path": "/models/tiny"},
-    "gpus": {"name": "H200", "count": 2, "nodes": 1, "gpus_per_node": 2,
-             "total_bytes": 150_754_820_096, "free_bytes": 150_000_000_000},
-    "parallel": {"tp": 1, "pp": 1, "dp": 2, "expert_parallel": False, "nodes": 1},
-    "gpu_memory_utilization": 0.9,
-    "max_model_len": 1024,
-    "max_num_seqs": 256,
-    "max_num_batched_tokens": 8192,
-    "kv_cache": {"dtype": "auto", "bytes_per_token": 3456, "block_size": 64,
-                 "memory_bytes": 268_435_456, "tokens": 77_672},
-    "per_gpu": {"requested_bytes": 135_000_000_000, "weights_bytes": 60_000_000,
-                "activation_bytes": 900_000_000, "cudagraph_bytes": 300_000_000,
-                "non_torch_bytes": 400_000_000, "kv_cache_bytes": 268_435_456},
-    "max_concurrency": 75.85,
-    "vllm_version": "0.32.0",
-    "vllm_args": ["--model", "/models/tiny"],
-    "env": {}, "reasons": [], "warnings": [], "suggestions": [],
-}
+def _plan() -> P.Deployment:
+    """A real plan with the figures these tests check: DP2 of a tiny model, 77,672 KV tokens
+    (268,435,456 bytes) per engine, max concurrency 75.85 at 1,024 tokens."""
+    base = make_plan(load_model("llama-3.1-8b"), parse_gpus("2xH200"),
+                     Pins(tp=1, dp=2, vllm_version="0.32.0")).deployment()
+    pool = base.pool
+    engine = dataclasses.replace(pool.engine, model="/models/tiny", max_model_len=1024,
+                                 kv_cache_dtype="auto")
+    kv = dataclasses.replace(pool.kv_cache, dtype="auto", memory_bytes=268_435_456,
+                             tokens=77_672)
+    per_gpu = PerGpuBudget(requested_bytes=135_000_000_000, weights_bytes=60_000_000,
+                           activation_bytes=900_000_000, cudagraph_bytes=300_000_000,
+                           non_torch_bytes=400_000_000, kv_cache_bytes=268_435_456)
+    pool = dataclasses.replace(pool, engine=engine, kv_cache=kv, per_gpu=per_gpu,
+                               max_concurrency=75.85)
+    model = dataclasses.replace(base.model, name=MODEL, weights_bytes=60_000_000,
+                                path="/models/tiny")
+    return dataclasses.replace(base, model=model, pools=(pool,))
+
+
+PLAN = _plan()
 
 
 def vllm_page(usage: list[float], *, size_tokens: list[int | None] | None = None,
@@ -241,7 +248,8 @@ def test_plan_series(fake):
     for component, key in (("weights", "weights_bytes"), ("activation", "activation_bytes"),
                            ("cudagraph", "cudagraph_bytes"), ("non_torch", "non_torch_bytes"),
                            ("kv_cache", "kv_cache_bytes")):
-        assert value(s, "vlaunch_plan_memory_bytes", component=component) == PLAN["per_gpu"][key]
+        assert value(s, "vlaunch_plan_memory_bytes", component=component) == \
+            getattr(PLAN.pool.per_gpu, key)
     assert value(s, "vlaunch_plan_info", model=MODEL, tp="1", pp="1", dp="2",
                  kv_cache_dtype="auto", max_model_len="1024", vllm_version="0.32.0") == 1
 
@@ -504,7 +512,7 @@ def test_cli_errors_are_one_line(args, needle):
 
 def test_cli_serves_and_stops_on_sigterm(fake, tmp_path):
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps(PLAN))
+    plan.write_text(json.dumps(dump(PLAN)))
     proc = _vlaunch("exporter", "--vllm-url", fake.url, "--plan", str(plan), "--port", "0",
                     "--bind", "127.0.0.1", env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -724,7 +732,8 @@ def test_starting_ends_at_the_startup_deadline():
 def test_startup_window_is_one_attempt_of_the_plan():
     from launcher.run import emit
 
-    big = {**PLAN, "model": {**PLAN["model"], "weights_bytes": 673_150_611_808}}
+    big = dataclasses.replace(PLAN, model=dataclasses.replace(PLAN.model,
+                                                              weights_bytes=673_150_611_808))
     exp = ex.Exporter("http://127.0.0.1:1", plan=big, gpu_reader=None,
                       startup_timeout_s=emit.startup_deadline_s)
     want = emit.STARTUP_SECONDS_BASE + 673_150_611_808 / emit.STARTUP_BYTES_PER_SECOND

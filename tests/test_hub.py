@@ -297,7 +297,8 @@ def test_revision_pins_a_branch_and_reaches_vllm_unchanged(stand_in: StandInHub)
 
 def test_exec_replans_the_recorded_commit_offline(stand_in: StandInHub, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from launcher.predict.planner import inputs_from_plan
+    from launcher.deployment.codec import load
+    from launcher.predict.plan_inputs import inputs_from_plan
 
     stand_in.add("acme/tiny", {"config.json": json.dumps(CONFIG).encode()},
                  branches={"main": "a" * 40, "dev": "b" * 40})
@@ -305,7 +306,7 @@ def test_exec_replans_the_recorded_commit_offline(stand_in: StandInHub, tmp_path
     assert code == 0, err
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     seen = len(stand_in.requests)
-    spec, _, _ = inputs_from_plan(d)
+    spec, _, _ = inputs_from_plan(load(d))
     assert len(stand_in.requests) == seen
     assert spec.commit == "b" * 40 and spec.revision == "dev"
 
@@ -466,7 +467,7 @@ def test_unknown_model_type_is_planned_generic_with_true_weights(stand_in: Stand
     assert code == 0, err
     assert d["model"]["estimate"] == "generic"
     assert d["model"]["weights_bytes"] == 2 * 3_000_000
-    assert any("generic decoder estimate" in w for w in d["warnings"])
+    assert any("generic decoder estimate" in w["text"] for w in d["warnings"])
 
 
 def test_unknown_model_type_without_layers_is_refused(stand_in: StandInHub) -> None:

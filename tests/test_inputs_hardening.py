@@ -4,6 +4,7 @@ update (issue 13, items 12-14)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import struct
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 
 from launcher import paths
 from launcher.cli import cli
+from launcher.deployment.codec import dump
 from launcher.errors import InputError
 from launcher.inputs.hardware import GiB, parse_gpus
 from launcher.inputs.model import load_model
@@ -158,13 +160,17 @@ def test_huge_hidden_size_does_not_fit_and_the_bar_stays_bounded(tmp_path):
 
 
 def test_budget_bar_is_proportional_and_bounded():
+    from launcher.deployment.plan import PerGpuBudget
     from launcher.render import budget_bar
 
-    bar = budget_bar({"weights_bytes": 10**30, "kv_cache_bytes": 5 * GiB}, 80 * GiB)[0]
+    def per_gpu(weights: int, kv: int = 0) -> PerGpuBudget:
+        return PerGpuBudget(weights + kv, weights, 0, 0, 0, kv)
+
+    bar = budget_bar(per_gpu(10**30, 5 * GiB), 80 * GiB)[0]
     assert bar.startswith("[" + "W" * 60 + "]")
-    half = budget_bar({"weights_bytes": 20 * GiB, "kv_cache_bytes": 20 * GiB}, 80 * GiB)[0]
+    half = budget_bar(per_gpu(20 * GiB, 20 * GiB), 80 * GiB)[0]
     assert half.startswith("[" + "W" * 15 + "K" * 15 + "." * 30 + "]")
-    empty = budget_bar({"weights_bytes": -5}, 0)[0]
+    empty = budget_bar(per_gpu(-5), 0)[0]
     assert empty.startswith("[" + "." * 60 + "]")
 
 
@@ -230,12 +236,13 @@ def test_measured_row_of_the_wrong_type_is_not_used(_cache, capsys, row):
 
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("1xH100")
     pins = Pins(vllm_version="0.32.0")
-    d = make_plan(spec, hw, pins).to_dict()
+    dep = make_plan(spec, hw, pins).deployment()
+    d = dump(dep)
     _cache.mkdir(parents=True)
-    (_cache / "measured.json").write_text(json.dumps({measured.plan_key(d): row}))
+    (_cache / "measured.json").write_text(json.dumps({measured.plan_key(dep): row}))
     again = make_plan(spec, hw, pins).to_dict()
     assert again["kv_cache"]["memory_bytes"] == d["kv_cache"]["memory_bytes"]
-    assert not any("measured by vLLM" in r for r in again["reasons"])
+    assert not any("measured by vLLM" in r["text"] for r in again["reasons"])
     assert "measured.json" in capsys.readouterr().err
 
 
@@ -262,17 +269,20 @@ def test_exec_plan_without_parallel_is_one_line(tmp_path):
               "0.32.0")
     assert r.exit_code == 0, r.output
     good = json.loads((emitted / "plan.json").read_text())
+    engine = ("pools", 0, "engine")
     for section, field, value, needle in (
-            ("parallel", None, None, "no `parallel` object"),
-            ("parallel", "tp", "2", "`parallel.tp` is '2'"),
-            ("parallel", "nodes", 0, "`parallel.nodes` is 0"),
-            ("gpus", "count", None, None),  # not needed by exec: no complaint about it
-            (None, "max_model_len", None, "no `max_model_len`"),
-            ("kv_cache", "dtype", 8, "`kv_cache.dtype` is 8")):
+            ((*engine, "parallel"), None, None, "no `pools[0].engine.parallel`"),
+            ((*engine, "parallel"), "tp", "2", "`pools[0].engine.parallel.tp` is '2'"),
+            ((*engine, "parallel"), "nodes", 0, "`pools[0].engine.parallel.nodes` is 0"),
+            (("gpus",), "count", None, None),  # not needed by exec: no complaint about it
+            (engine, "max_model_len", None, "no `pools[0].engine.max_model_len`"),
+            (("pools", 0, "kv_cache"), "dtype", 8, "`pools[0].kv_cache.dtype` is 8")):
         d = json.loads(json.dumps(good))
-        part = d if section is None else d[section]
+        part = d
+        for key in section[:-1] if field is None else section:
+            part = part[key]
         if field is None:
-            del d[section]
+            del part[section[-1]]
         elif value is None:
             del part[field]
         else:
@@ -302,14 +312,20 @@ def _write_lessons(prefix: str, n: int) -> None:
         record_lesson(f"{prefix}-{i}", i % 2 == 0, f"lesson {i}")
 
 
-def _write_measured(d: dict, n: int) -> None:
+def _with_context(d, n: int):
+    """Plan `d` with another max_model_len (another measured key)."""
+    engine = dataclasses.replace(d.engine, max_model_len=n)
+    return dataclasses.replace(d, pools=(dataclasses.replace(d.pool, engine=engine),))
+
+
+def _write_measured(d, n: int) -> None:
     from launcher.predict import measured
 
     for i in range(n):
-        measured.record(d | {"max_model_len": d["max_model_len"] - i}, 10**9 + i, "test")
+        measured.record(_with_context(d, d.engine.max_model_len - i), 10**9 + i, "test")
 
 
-def _write_calibration(d: dict) -> None:
+def _write_calibration(d) -> None:
     from launcher.predict import calibration
     from launcher.predict.planshape import shape_from_plan
 
@@ -343,11 +359,11 @@ def test_concurrent_measured_and_calibration_records_keep_every_update(_cache):
 
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")
     plans = [make_plan(spec, hw, Pins(vllm_version="0.32.0", tp=tp, kv_cache_dtype="auto"))
-             .to_dict() for tp in (1, 2, 4, 8)]
-    _run_all(_write_measured, [(d | {"max_model_len": 8192 * (j + 1)}, 10)
+             .deployment() for tp in (1, 2, 4, 8)]
+    _run_all(_write_measured, [(_with_context(d, 8192 * (j + 1)), 10)
                                for j, d in enumerate(plans)])
     assert len(json.loads((_cache / "measured.json").read_text())) == 4 * 10
     _run_all(_write_calibration, [(d,) for d in plans])
     stored = json.loads((_cache / "calibration.json").read_text())
     assert set(stored) == {calibration.plan_key(d) for d in plans}
-    assert measured.lookup(measured.plan_key(plans[0] | {"max_model_len": 8192})) is not None
+    assert measured.lookup(measured.plan_key(_with_context(plans[0], 8192))) is not None

@@ -396,14 +396,14 @@ def _max_attempts(args: list[str]) -> int:
 def test_startup_probe_covers_every_attempt_of_the_plan(overlay):
     """The kubelet must not kill a start-up that vlaunch is still entitled to: every attempt
     (`--max-attempts`), each to serve's deadline for the plan's weights, plus a margin."""
-    from launcher.run import serve
+    from launcher.run import emit
     from launcher.run.emit import STARTUP_MARGIN_S
 
     name, objs = overlay
     _, gpus = _timing_target(name)
     plan = _generator().plan_for(_model(objs), gpus)
-    deadline = serve.STARTUP_SECONDS_BASE + (
-        plan["model"]["weights_bytes"] / serve.STARTUP_BYTES_PER_SECOND)
+    deadline = emit.STARTUP_SECONDS_BASE + (
+        plan.model.weights_bytes / emit.STARTUP_BYTES_PER_SECOND)
     for where, template in _pod_templates(objs):
         if where.endswith("workerTemplate"):
             continue
@@ -815,18 +815,18 @@ def test_scaled_object_scales_the_workload_on_vllm_gauges_at_the_plans_targets(o
     folder = "overlays/" + ("deepseek-r1-2x8xh100" if name.endswith("-deepep") else name)
     gen = _generator()
     kind, gpus = gen.TIMING_TARGETS[folder]
-    a = gen.plan_for(_model(objs), gpus, gen.MAX_REPLICAS[folder])["autoscaling"]
+    a = gen.plan_for(_model(objs), gpus, gen.MAX_REPLICAS[folder]).pool.autoscaling
     got = {t["name"]: float(t["metadata"]["threshold"]) for t in so["spec"]["triggers"]}
-    assert got == {"vllm-running": a["target_running_per_replica"],
-                   "vllm-waiting": a["target_waiting_per_replica"],
-                   "vllm-kv-usage": a["kv_usage_threshold"]}
+    assert got == {"vllm-running": a.target_running_per_replica,
+                   "vllm-waiting": a.target_waiting_per_replica,
+                   "vllm-kv-usage": a.kv_usage_threshold}
     spec = so["spec"]
-    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (a["min_replicas"],
-                                                                  a["max_replicas"])
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (a.min_replicas,
+                                                                  a.max_replicas)
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     for way in ("scaleUp", "scaleDown"):
         window = behavior[way]["stabilizationWindowSeconds"]
-        assert window >= min(a["startup_s"], 3600) and window <= 3600, (way, window)
+        assert window >= min(a.startup_s, 3600) and window <= 3600, (way, window)
 
 
 def test_scaled_object_crd_check_is_not_vacuous():

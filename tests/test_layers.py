@@ -1,5 +1,6 @@
-"""The package's imports run one way: inputs -> predict -> run / observe -> cli, with no circle,
-not even through an import inside a function (every import statement in a module counts)."""
+"""The package's imports run one way: inputs -> deployment -> predict -> run / observe -> cli,
+with no circle, not even through an import inside a function (every import statement in a
+module counts). `deployment` holds the typed plan every later stage reads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "launcher"
-STAGES = ("inputs", "predict", "run", "observe")
+STAGES = ("inputs", "deployment", "predict", "run", "observe")
 PURE_MODELS = ("budget", "kvcache", "ops", "step", "perf", "mtp", "perfplan")
 COMPOSERS = ("planner", "search", "rank", "candidates", "capacity", "serving", "speculative")
 
@@ -86,9 +87,10 @@ def _stage(module: str) -> str | None:
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if _stage(m)))
 def test_stages_import_only_earlier_stages(module: str):
-    allowed = {"inputs": {"inputs"}, "predict": {"inputs", "predict"},
-               "run": {"inputs", "predict", "run", "observe"},
-               "observe": {"inputs", "predict", "observe"}}[_stage(module)]
+    allowed = {"inputs": {"inputs"}, "deployment": {"inputs", "deployment"},
+               "predict": {"inputs", "deployment", "predict"},
+               "run": {"inputs", "deployment", "predict", "run", "observe"},
+               "observe": {"inputs", "deployment", "predict", "observe"}}[_stage(module)]
     bad = sorted(t for t in GRAPH[module] if _stage(t) and _stage(t) not in allowed)
     assert not bad, f"{module} imports {bad}"
     assert "launcher.cli" not in GRAPH[module]

@@ -40,7 +40,7 @@ def test_log_names_the_startup_plan_files():
 
 def test_measured_bytes_replace_the_estimate_next_time(cache):
     first = _plan()
-    d = first.to_dict()
+    d = first.deployment()
     # two ranks wrote their measurements; every rank is set to the smallest (20 GiB here)
     files = []
     for i, gib in enumerate((21, 20)):
@@ -56,13 +56,14 @@ def test_measured_bytes_replace_the_estimate_next_time(cache):
     page = c.block_size * c.kv_bytes_per_token  # 64 tokens x 35,136 B (fp8 MLA, 61 layers)
     assert c.kv_memory == (20 << 30) // page * page
     assert c.tokens == c.blocks * c.block_size
-    assert any("measured by vLLM" in r for r in second.reasons)
+    assert any("measured by vLLM" in r.text for r in second.reasons)
     # a different decision (another context) is another key: the estimate is used again
     other = make_plan(load_model("deepseek-v3"), parse_gpus("8xH200"),
                       Pins(vllm_version="0.32.0", tp=8, max_model_len=65536))
-    assert not any("measured by vLLM" in r for r in other.reasons)
+    assert not any("measured by vLLM" in r.text for r in other.reasons)
 
 
 def test_nothing_recorded_without_startup_plan():
-    assert learn_measured_kv(_plan().to_dict(), vllmlog.parse_allocation("no such lines")) is None
+    assert learn_measured_kv(_plan().deployment(),
+                             vllmlog.parse_allocation("no such lines")) is None
     assert measured.read_startup_plans(["/nonexistent.json"]) is None

@@ -24,7 +24,7 @@ def _plan(tp=8, pp=1, dp=1, ep=False, nodes=1, gpus_per_node=8, backend=None, ex
         "gpus": {"name": "H100", "nodes": nodes, "gpus_per_node": gpus_per_node},
         "parallel": {"tp": tp, "pp": pp, "dp": dp, "expert_parallel": ep, "nodes": nodes},
         "vllm_args": [*args, *extra],
-        "env": {"VLLM_USE_DEEP_GEMM": "1"},
+        "env": {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"},
     }
     if backend:
         plan["distributed_executor_backend"] = backend
@@ -78,7 +78,7 @@ def test_mp_tp_pp_across_two_nodes_leader_and_worker():
     assert "--headless" not in lead.argv and lead.serves_api and lead.role == LEADER
     assert "--headless" in work.argv and not work.serves_api and work.role == WORKER
     assert lead.env["VLLM_HOST_IP"] == "10.0.0.5" and work.env["VLLM_HOST_IP"] == "10.0.0.6"
-    assert lead.env["VLLM_USE_DEEP_GEMM"] == "1"
+    assert lead.env["VLLM_ENGINE_READY_TIMEOUT_S"] == "1800"
 
 
 def test_mp_master_port_when_given():

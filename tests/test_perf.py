@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from launcher.deployment.codec import load
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
@@ -200,7 +201,7 @@ def test_unknown_speed_facts_claim_no_performance():
     p = make_plan(spec, parse_gpus("1x80GiB"), V)
     assert p.fits and p.performance is None
     assert p.to_dict()["performance"] is None
-    assert any("no performance prediction" in r for r in p.reasons)
+    assert any("no performance prediction" in r.text for r in p.reasons)
 
 
 def test_every_catalog_constant_is_positive_and_sourced():
@@ -233,10 +234,9 @@ def test_calibration_is_recorded_and_plans_say_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")
     pins = Pins(vllm_version="0.32.0", tp=1, pp=1, kv_cache_dtype="auto")
-    d = make_plan(spec, hw, pins).to_dict()
-    assert d["performance"]["source"] == "model"
-    w = Workload(d["performance"]["input_len"], d["performance"]["output_len"],
-                 synchronized=True)
+    d = make_plan(spec, hw, pins).deployment()
+    assert d.performance.source == "model"
+    w = Workload(d.workload.input_len, d.workload.output_len, synchronized=True)
     a = make_plan(spec, hw, pins).performance
     slow = dataclasses.replace(a.shape, constants=perf.scaled(K, perf.Calibration(3.0, 1.5, 0,
                                                                                     0)))
@@ -264,7 +264,7 @@ def test_plans_carry_the_held_out_range_around_their_figures():
     lo, hi = perf.HELD_OUT_SPREAD["output_tokens_per_s"]
     assert r["low"] == pytest.approx(knee["output_tokens_per_s"] / (1 + hi), rel=1e-3)
     # the text prints the same range the JSON carries
-    text = plan_text(d)
+    text = plan_text(load(d))
     assert f"output tok/s (likely {r['low']:,.0f}-{r['high']:,.0f})" in text
 
 

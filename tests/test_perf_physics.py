@@ -359,7 +359,7 @@ def test_calibrate_then_plan_through_the_cache(tmp_path, monkeypatch, model, gpu
 
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     p = Pins(vllm_version=VERSION, pp=1, kv_cache_dtype="auto", **pins)
-    d = make_plan(spec(model), parse_gpus(gpus), p).to_dict()
+    d = make_plan(spec(model), parse_gpus(gpus), p).deployment()
     base = shape_from_plan(d)
     truth = dataclasses.replace(base, constants=perf.scaled(
         perf.DEFAULT, perf.Calibration(2.0, 1.0, 0, 0)))

@@ -29,7 +29,7 @@ def test_v3_fits_8xh200_full_context_bf16_kv_when_it_holds_the_workload():
     assert p.fits
     assert p.chosen.max_model_len == 163_840
     assert p.chosen.kv_dtype == "auto"
-    assert any("kv-cache-dtype auto: bf16 KV already holds" in r for r in p.reasons)
+    assert any("kv-cache-dtype auto: bf16 KV already holds" in r.text for r in p.reasons)
     assert p.chosen.concurrency >= 1
 
 
@@ -38,16 +38,16 @@ def test_fp8_kv_when_bf16_cannot_hold_the_context():
     # TP2) holds about half the context fp8 holds, so fp8 is needed, with the accuracy caveat.
     p = plan("llama-3.1-70b", "2xH100")
     assert p.fits and p.chosen.kv_dtype == "fp8"
-    assert any(re.search(r"kv-cache-dtype fp8: bf16 KV holds only [\d,]+ tokens", r)
+    assert any(re.search(r"kv-cache-dtype fp8: bf16 KV holds only [\d,]+ tokens", r.text)
                for r in p.reasons)
-    assert any("accuracy" in w for w in p.warnings)
+    assert any("accuracy" in w.text for w in p.warnings)
 
 
 def test_v3_does_not_fit_8xh100_and_says_what_would():
     p = plan("deepseek-v3", "8xH100")
     assert not p.fits
     assert "exceed" in p.chosen.problem
-    text = " ".join(p.suggestions)
+    text = " ".join(s.text for s in p.suggestions)
     assert "2x8xH100" in text and "distill" in text and "int4" in text
 
 
@@ -71,7 +71,7 @@ def test_pinned_len_that_cannot_fit_is_a_misfit():
 def test_fp8_not_on_ampere_for_mla():
     p = plan("deepseek-v2-lite", "1xA100-80GB")
     assert p.chosen.kv_dtype == "auto"
-    assert any("8.9" in r for r in p.reasons)
+    assert any("8.9" in r.text for r in p.reasons)
 
 
 def test_fp8_never_on_cpu_for_mla():
@@ -102,7 +102,7 @@ def test_utilization_lowered_when_gpu_is_shared():
                    notes=("GPU 0: pid 42 (python) holds 39.8 GiB",))
     p = make_plan(load_model("r1-distill-qwen-1.5b"), busy, V)
     assert p.chosen.utilization <= 0.5
-    assert any("pid 42" in w for w in p.warnings)
+    assert any("pid 42" in w.text for w in p.warnings)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -169,7 +169,7 @@ def test_pin_kv_memory_passes_the_planned_bytes():
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(p.chosen.kv_memory)
     # vLLM still checks free memory against utilization x total (request_memory): kept.
     assert args[args.index("--gpu-memory-utilization") + 1] == f"{p.chosen.utilization:.2f}"
-    assert any("pin-kv-memory" in w for w in p.warnings)
+    assert any("pin-kv-memory" in w.text for w in p.warnings)
 
 
 def test_emit_when_it_does_not_fit(tmp_path):
@@ -198,7 +198,7 @@ def test_sparse_attention_needs_hopper():
     # their memory, and the suggestions do not offer more A100s.
     p = plan("deepseek-v3.2", "2x8xA100-80GB")
     assert not p.fits and "Hopper" in p.chosen.problem
-    assert not any("A100" in s for s in plan("deepseek-v3.2", "8xA100-80GB").suggestions)
+    assert not any("A100" in s.text for s in plan("deepseek-v3.2", "8xA100-80GB").suggestions)
     assert plan("deepseek-v3.2", "8xH200").fits
 
 
@@ -227,7 +227,7 @@ def test_checkpoint_index_is_the_ground_truth_for_weights(tmp_path):
     assert d["model"]["weights_bytes"] == 2 * counted["model"]["weights_bytes"]
     assert d["per_gpu"]["weights_bytes"] == pytest.approx(2 * counted["per_gpu"]["weights_bytes"],
                                                           abs=2)
-    assert any("checkpoint index" in w for w in d["warnings"])
+    assert any("checkpoint index" in w["text"] for w in d["warnings"])
 
 
 def test_pipeline_parallel_inside_a_node_and_tp_across_nodes():

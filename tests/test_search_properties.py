@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from launcher.cli import cli
+from launcher.deployment.codec import load
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload, resolve_workload
@@ -93,7 +94,8 @@ def test_no_pin_beats_the_plan_and_no_pin_fits_where_the_plan_does_not(seed):
             assert type(e).__name__ == "InputError", e
             continue
         checked += 1
-        if not pinned.fits or any("not supported here" in w for w in pinned.warnings):
+        if not pinned.fits or any(w.code == "kv_cache_dtype.fp8_unsupported"
+                                  for w in pinned.warnings):
             continue  # a pin the planner warns vLLM rejects (fp8 KV before sm89) is no rival
         assert base.fits, (model, gpus, w, objective, pins)  # property (2)
         ours, theirs = _objective(base, objective), _objective(pinned, objective)
@@ -117,7 +119,7 @@ def test_every_figure_the_text_prints_is_the_json_s(args, monkeypatch):
     monkeypatch.setenv("COLUMNS", "10000")  # no wrapping: one reason per line
     text = CliRunner().invoke(cli, ["plan", *args]).output
     d = json.loads(CliRunner().invoke(cli, ["plan", *args, "--format", "json"]).output)
-    assert plan_text(d).split("\n")[0] == text.split("\n")[0]
+    assert plan_text(load(d)).split("\n")[0] == text.split("\n")[0]
     perf = d["performance"]
     k = perf["knee"] or {}
     if k:
@@ -135,19 +137,19 @@ def test_every_figure_the_text_prints_is_the_json_s(args, monkeypatch):
     assert [r[3] for r in rows] == [f"{p['output_tokens_per_s']:,.0f}" for p in perf["curve"]]
     why = text[text.index("  why:"):]
     for reason in d["reasons"]:
-        assert f"- {reason}" in why  # the reasons are the JSON's strings, not re-derived
+        assert f"- {reason['text']}" in why  # the reasons are the JSON's texts, not re-derived
     # the headline reason is the performance object's knee, not a second prediction
-    pred = next(r for r in d["reasons"] if r.startswith("predicted"))
+    pred = next(r["text"] for r in d["reasons"] if r["text"].startswith("predicted"))
     if d["performance"]["objective"] != "latency" and k:
         assert f"{k['output_tokens_per_s']:,.0f} output tok/s" in pred
     args = d["vllm_args"]
     assert args[args.index("--max-num-seqs") + 1] == str(d["max_num_seqs"])
     for r in d["reasons"]:  # every max-num-seqs a reason names is the command's
-        for n in re.findall(r"max-num-seqs ([\d,]+)", r.split(" would let")[0]):
+        for n in re.findall(r"max-num-seqs ([\d,]+)", r["text"].split(" would let")[0]):
             assert int(n.replace(",", "")) == d["max_num_seqs"], r
     mtp = d["serving"]["speculative"]
     if mtp["enabled"]:
-        reason = next(r for r in d["reasons"] if r.startswith("MTP on"))
+        reason = next(r["text"] for r in d["reasons"] if r["text"].startswith("MTP on"))
         assert "at equal load" in reason and "at the SLO knee" in reason
         if perf["objective"] != "latency" and k:
             assert f"{k['output_tokens_per_s']:,.0f} output tok/s vs" in reason
@@ -227,7 +229,8 @@ def test_the_plan_says_how_many_candidates_it_judged():
     plan = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"))
     d = plan.to_dict()
     assert d["candidates"]["judged"] >= d["candidates"]["timed"] > 1
-    assert any(f"searched {d['candidates']['judged']:,} candidates" in r for r in d["reasons"])
+    assert any(f"searched {d['candidates']['judged']:,} candidates" in r["text"]
+               for r in d["reasons"])
 
 
 # ----------------------------------------------------------------------------- input

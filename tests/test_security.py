@@ -144,11 +144,15 @@ def test_multinode_exec_dry_run_never_prints_a_secret(tmp_path, monkeypatch):
     from launcher.run.serve import run_node
 
     key = "sk-" + secrets.token_hex(12)
-    plan = {"gpus": {"name": "H100", "nodes": 2, "gpus_per_node": 8},
-            "parallel": {"tp": 16, "pp": 1, "dp": 1, "expert_parallel": False, "nodes": 2},
-            "vllm_args": ["--model", "m", "--tensor-parallel-size", "16"],
-            "env": {"VLLM_ENGINE_READY_TIMEOUT_S": "600"}, "model": {"weights_bytes": 1}}
-    launch = multinode.build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
+    from launcher.deployment.codec import dump
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.planner import Pins, make_plan
+
+    plan = make_plan(load_model("llama-3.1-70b"), parse_gpus("2x8xH100"),
+                     Pins(tp=8, pp=2, vllm_version="0.32.0")).deployment()
+    launch = multinode.build_launch(dump(plan), environ={}, role="leader",
+                                    leader_address="127.0.0.1")
     lines: list[str] = []
     rc = run_node(launch, plan, port=None, metrics_port=None, metrics_bind="127.0.0.1",
                   log_dir=tmp_path, dry_run=True, verbose=False, startup_timeout=5,

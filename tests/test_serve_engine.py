@@ -156,4 +156,4 @@ def test_fp8_kv_falls_back_and_is_remembered(tiny_model: Path, tmp_path: Path):
                        env={**os.environ, **env}, timeout=120)
     plan = json.loads(r.stdout)
     assert plan["kv_cache"]["dtype"] == "auto"
-    assert any("learnt at run time" in x for x in plan["reasons"])
+    assert any("learnt at run time" in x["text"] for x in plan["reasons"])

@@ -7,11 +7,13 @@ import dataclasses
 
 import pytest
 
+from launcher.deployment.codec import load
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.predict import serving_flags as F
-from launcher.predict.planner import Pins, inputs_from_plan, make_plan
+from launcher.predict.plan_inputs import inputs_from_plan
+from launcher.predict.planner import Pins, make_plan
 from launcher.render import plan_text
 
 
@@ -84,10 +86,10 @@ def test_plan_json_and_text_show_parsers_with_reason():
     p = d["serving"]["parsers"]
     assert p["tool_call_parser"] == "deepseek_v32" and p["enable_auto_tool_choice"]
     assert "--tool-call-parser" in d["vllm_args"]
-    text = plan_text(d)
+    text = plan_text(load(d))
     assert "tool-call-parser deepseek_v32 with --enable-auto-tool-choice" in text
     # exec re-plans the same flags
-    spec, hw, pins = inputs_from_plan(d)
+    spec, hw, pins = inputs_from_plan(load(d))
     assert make_plan(spec, hw, pins, suggest=False).to_dict()["vllm_args"] == d["vllm_args"]
 
 
@@ -96,4 +98,4 @@ def test_old_version_plan_has_no_parser_it_lacks():
                   Pins(vllm_version="0.11.0"), suggest=False).to_dict()
     assert "--tool-call-parser" not in d["vllm_args"]
     assert "--tokenizer-mode" not in d["vllm_args"]
-    assert any("no --tool-call-parser" in w for w in d["warnings"])
+    assert any("no --tool-call-parser" in w["text"] for w in d["warnings"])

@@ -22,13 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from launcher.deployment.codec import load
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, resolve_workload
 from launcher.predict import budget as B
 from launcher.predict import speculative as S
-from launcher.predict.planner import Pins, inputs_from_plan, make_plan
+from launcher.predict.plan_inputs import inputs_from_plan
+from launcher.predict.planner import Pins, make_plan
 
 H, N, QLR, KLR, NOPE, ROPE, V = 7168, 128, 1536, 512, 128, 64, 128
 E, MOE_I, VOCAB = 256, 2048, 129280
@@ -160,7 +162,7 @@ def test_latency_objective_turns_mtp_on_with_reason_and_numbers():
     d = plan.to_dict()
     s = d["serving"]["speculative"]
     assert s["enabled"] and s["num_speculative_tokens"] >= 1
-    reason = next(r for r in d["reasons"] if r.startswith("MTP on"))
+    reason = next(r["text"] for r in d["reasons"] if r["text"].startswith("MTP on"))
     assert re.search(r"at equal load \([\d,]+ in flight, same flags without the draft\): "
                      r"TPOT [\d.]+ vs [\d.]+ ms", reason)
     assert re.search(r"at the SLO knee: TPOT [\d.]+ ms vs TPOT [\d.]+ ms for the best plan "
@@ -171,7 +173,7 @@ def test_latency_objective_turns_mtp_on_with_reason_and_numbers():
     off = _plan("deepseek-r1", "8xH200", objective="latency", speculative=False).to_dict()
     assert (d["performance"]["single_request"]["tpot_ms"]
             < off["performance"]["single_request"]["tpot_ms"])
-    text = __import__("launcher.render", fromlist=["plan_text"]).plan_text(d)
+    text = __import__("launcher.render", fromlist=["plan_text"]).plan_text(load(d))
     assert "MTP on" in text and "--speculative-config" in text
 
 
@@ -229,7 +231,7 @@ def test_version_gate_and_method_name(version, expect):
     if expect is None:
         assert not s["enabled"] and "since 0.9.0" in s["reason"]
         assert "--speculative-config" not in d["vllm_args"]
-        assert any("MTP was asked for" in w for w in d["warnings"])
+        assert any("MTP was asked for" in w["text"] for w in d["warnings"])
     else:
         i = d["vllm_args"].index("--speculative-config")
         assert json.loads(d["vllm_args"][i + 1]) == {"method": expect,
@@ -245,7 +247,7 @@ def test_models_without_an_mtp_layer_never_get_one():
 
 def test_exec_replans_the_same_mtp_decision():
     d = _plan("deepseek-r1", "8xH200", objective="latency").to_dict()
-    spec, hw, pins = inputs_from_plan(d)
+    spec, hw, pins = inputs_from_plan(load(d))
     assert pins.speculative is True
     assert pins.num_speculative_tokens == d["serving"]["speculative"]["num_speculative_tokens"]
     again = make_plan(spec, hw, pins, suggest=False).to_dict()

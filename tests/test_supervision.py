@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.deployment.codec import dump
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
@@ -514,13 +515,15 @@ def test_stop_timeout_bounds_the_drain(env, model, tmp_path, stop_timeout, drain
 # --- item 9: the Ray paths run the right commands --------------------------------------------
 
 
-def _ray_plan(model: Path) -> dict:
+def _ray_plan(model: Path):
     """A real two-node plan (TP4 x PP2 on 2x4xH100) on Ray."""
+    import dataclasses
+
     from launcher.predict.planner import make_plan
 
-    d = make_plan(load_model(str(model)), parse_gpus("2x4xH100"), Pins(tp=4, pp=2)).to_dict()
-    d["distributed_executor_backend"] = "ray"
-    return d
+    d = make_plan(load_model(str(model)), parse_gpus("2x4xH100"), Pins(tp=4, pp=2)).deployment()
+    engine = dataclasses.replace(d.engine, distributed_executor_backend="ray")
+    return dataclasses.replace(d, pools=(dataclasses.replace(d.pool, engine=engine),))
 
 
 @pytest.fixture()
@@ -552,7 +555,7 @@ def _run_node(launch, plan, tmp_path, **kw) -> tuple[int, list[str]]:
 
 def test_ray_worker_runs_ray_start_not_vllm(env, model, tmp_path, fake_ray):
     plan = _ray_plan(model)
-    launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
+    launch = build_launch(dump(plan), environ={}, role="worker", leader_address="10.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=True)
     words = [w for w in _last_command(lines).split()
              if not re.match(r"^[A-Z_]+=", w)]  # after the env
@@ -564,7 +567,7 @@ def test_ray_worker_runs_ray_start_not_vllm(env, model, tmp_path, fake_ray):
 def test_ray_leader_starts_the_head_then_vllm(env, model, tmp_path, fake_ray):
     env("ready", lifetime=1, lifetime_from="ready", argv_file=tmp_path / "argv.json")
     plan = _ray_plan(model)
-    launch = build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
+    launch = build_launch(dump(plan), environ={}, role="leader", leader_address="127.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=False)
     assert fake_ray() == [["start", "--head", "--port=6379"]]
     argv = json.loads((tmp_path / "argv.json").read_text())
@@ -576,7 +579,7 @@ def test_ray_leader_starts_the_head_then_vllm(env, model, tmp_path, fake_ray):
 def test_failing_ray_head_is_one_line(env, model, tmp_path, fake_ray, monkeypatch):
     monkeypatch.setenv("RAY_FAIL", "1")
     plan = _ray_plan(model)
-    launch = build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
+    launch = build_launch(dump(plan), environ={}, role="leader", leader_address="127.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=False)
     assert rc == 1
     assert lines == ["vlaunch: `ray start --head --port=6379` failed with status 1: "
@@ -587,7 +590,7 @@ def test_exec_ray_head_failure_through_the_cli(env, model, tmp_path, fake_ray, m
     monkeypatch.setenv("RAY_FAIL", "1")
     monkeypatch.setenv("LWS_LEADER_ADDRESS", "127.0.0.1")
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps(_ray_plan(model)))
+    plan.write_text(json.dumps(dump(_ray_plan(model))))
     v = Vlaunch("exec", "--plan", str(plan), "--role", "leader", "--no-metrics",
                 "--log-dir", str(tmp_path), cwd=tmp_path)
     assert v.finish() == 1, v.text
@@ -598,8 +601,9 @@ def test_exec_ray_head_failure_through_the_cli(env, model, tmp_path, fake_ray, m
 def test_mp_worker_runs_headless_vllm_and_refuses_a_layout_change(env, model, tmp_path):
     from launcher.predict.planner import make_plan
 
-    plan = make_plan(load_model(str(model)), parse_gpus("2x4xH100"), Pins(tp=4, pp=2)).to_dict()
-    launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
+    plan = make_plan(load_model(str(model)), parse_gpus("2x4xH100"),
+                     Pins(tp=4, pp=2)).deployment()
+    launch = build_launch(dump(plan), environ={}, role="worker", leader_address="10.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=True)
     words = _last_command(lines).split()
     assert rc == 0 and "--headless" in words and "--port" not in words

@@ -281,9 +281,9 @@ def test_candidates_from_the_planner_rank_layouts_and_keep_baseline_minimal():
                  "--enforce-eager", "--enable-chunked-prefill"):
         assert flag not in base.vllm_args
     assert arg_value(base.vllm_args, "--max-model-len") == "2048"  # the workload, rounded up
-    assert cands and all(c.plan["fits"] for c in cands)
+    assert cands and all(c.plan.fits for c in cands)
     assert len({c.key for c in cands} | {base.key}) == len(cands) + 1
-    layouts = [json.dumps(c.plan["parallel"], sort_keys=True) for c in cands]
+    layouts = [c.plan.engine.parallel for c in cands]
     n_layouts = len(set(layouts))
     assert n_layouts > 1
     # the best of every layout comes first, each group by predicted goodput
@@ -355,7 +355,8 @@ def test_tune_end_to_end_on_a_fake_engine(tmp_path: Path, fake_engine, tiny_spec
     stored = json.loads((tmp_path / "cache" / "calibration.json").read_text())
     assert sum(len(e["points"]) for e in stored.values()) >= len(ok[0]["results"])
     plan = load_plan(tmp_path / "out" / "plan.json")
-    assert plan["tuned"]["concurrency"] == rec["concurrency"]
+    assert plan.tuned["concurrency"] == rec["concurrency"]  # the typed plan carries it
+    assert plan.performance.measured["concurrency"] == rec["concurrency"]
     assert "recommended:" in "\n".join(lines)
 
 

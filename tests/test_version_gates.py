@@ -78,10 +78,10 @@ def test_newer_than_modelled_warns_and_missing_vllm_says_what_it_assumed(monkeyp
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("1xH100")
     plan = make_plan(spec, hw, Pins(vllm_version="9.0.0"))
     newest = caps.table()["newest_modelled_vllm"]
-    assert any("newer than the newest" in w and newest in w for w in plan.warnings)
+    assert any("newer than the newest" in w.text and newest in w.text for w in plan.warnings)
     monkeypatch.setattr(caps, "installed_vllm", lambda: None)
     plan = make_plan(spec, hw, Pins())
-    assert any("assumed (no vLLM is installed" in r for r in plan.reasons)
+    assert any("assumed (no vLLM is installed" in r.text for r in plan.reasons)
 
 
 def test_non_torch_after_the_snapshot_keeps_only_the_per_rank_term():

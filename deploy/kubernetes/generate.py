@@ -119,7 +119,7 @@ def _model_ref(model: str) -> Iterator[str]:
         yield str(folder)
 
 
-def plan_for(model: str, gpus: str, max_replicas: int | None = None) -> dict[str, Any]:
+def plan_for(model: str, gpus: str, max_replicas: int | None = None) -> Any:
     """The plan `vlaunch plan MODEL --gpus GPUS [--max-replicas N] --weights-from volume`
     makes (a pod reads its weights from the model PVC), ignoring this machine's caches
     (lessons learnt here must not change what is committed)."""
@@ -134,7 +134,7 @@ def plan_for(model: str, gpus: str, max_replicas: int | None = None) -> dict[str
         try:
             return make_plan(load_model(ref), parse_gpus(gpus), Pins(),
                              scaling=ScalingAsk(max_replicas=max_replicas),
-                             load_path="volume").to_dict()
+                             load_path="volume").deployment()
         finally:
             if saved is None:
                 os.environ.pop("VLAUNCH_CACHE_DIR", None)
@@ -166,7 +166,7 @@ def timing(model: str, gpus: str) -> dict[str, Any]:
     budget = startup_budget_s(plan, attempts)
     return {
         "model": model,
-        "weights_bytes": plan["model"]["weights_bytes"],
+        "weights_bytes": plan.model.weights_bytes,
         "attempts": attempts,
         "deadline_s": startup_deadline_s(plan),
         "margin_s": STARTUP_MARGIN_S,

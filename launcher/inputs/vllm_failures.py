@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import InputError
+from . import vllm_flags
 
 # Start-up phases in vLLM's order. A phase can be skipped (CPU captures no graphs); it never
 # goes backwards within one start. "serving" is after the API server came up.
@@ -229,7 +230,10 @@ class Facts:
         with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
             value = ast.literal_eval(self.args_text) if self.args_text else None
             if isinstance(value, dict):
-                return value
+                # a number no flag takes (utilization 1.02, a 1e26 context) is nonsense from a
+                # broken or hostile log: read as absent, so no fix or pin is made from it
+                return {k: v for k, v in value.items()
+                        if vllm_flags.sane_log_value(str(k), v)}
         return {}
 
     def feed(self, content: str) -> None:
@@ -625,7 +629,13 @@ class _Hit:
 # Terminal control characters (an escape sequence in a log must not repaint the reader's
 # terminal) and Unicode's bidirectional overrides (they reorder what is shown).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-_SECRET_TEXT = re.compile(r"('(?:api_key|hf_token)':\s*')[^']*'|(--(?:api-key|hf-token)[= ])\S+")
+# The flag table's secrets, as "non-default args" prints them ('api_key': '...') and as a
+# command line gives them, abbreviations argparse accepts included (`--api-ke K`).
+_SECRETS = [f for f in vllm_flags.flags() if f.secret]
+_SECRET_TEXT = re.compile(
+    "('(?:" + "|".join(f.dest for f in _SECRETS) + r")':\s*)(?:\[[^\]]*\]|'[^']*')|(--(?:"
+    + "|".join(re.escape(f.name[2:i]) for f in _SECRETS for i in range(len(f.name), 2, -1))
+    + r")[= ])\S+")
 
 
 def shown(text: str) -> str:
@@ -633,7 +643,7 @@ def shown(text: str) -> str:
     of --api-key and --hf-token (as vLLM's "non-default args" prints them) hidden."""
     text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
                         else f"\\u{ord(m.group()):04x}", text)
-    return _SECRET_TEXT.sub(lambda m: (m.group(1) + "***'") if m.group(1)
+    return _SECRET_TEXT.sub(lambda m: (m.group(1) + "'***'") if m.group(1)
                             else m.group(2) + "***", text)
 
 

@@ -27,28 +27,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ..deployment.plan import Deployment
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
 from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_text, to_failure
 from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
-from ..predict.planner import Pins, inputs_from_plan, make_plan
+from ..predict.plan_inputs import inputs_from_plan
+from ..predict.planner import Pins, make_plan
 from ..predict.replan import merge_args, replan_pins
-from ..redact import SECRET_FLAGS
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
 
 # --- fixes from the log alone ------------------------------------------------------------------
 
-_VLAUNCH_PINS = {  # vLLM flag -> vlaunch serve option (plan_options in launcher/cli.py)
-    "--max-model-len": "--max-model-len", "--kv-cache-dtype": "--kv-cache-dtype",
-    "--gpu-memory-utilization": "--gpu-memory-utilization", "--max-num-seqs": "--max-num-seqs",
-    "--max-num-batched-tokens": "--max-num-batched-tokens",
-    "--kv-cache-memory-bytes": "--kv-cache-memory-bytes", "--tensor-parallel-size": "--tp",
-    "--pipeline-parallel-size": "--pp", "--data-parallel-size": "--dp",
-    "--enforce-eager": "--enforce-eager",
-}
+# vLLM flag -> vlaunch serve's pin option (launcher/cli/options.py), for the flags the doctor
+# may suggest (the flag table's safe set).
+_VLAUNCH_PINS = {f.name: f.pin.option for f in F.pins() if f.suggest and f.pin}
 
 
 @dataclass
@@ -77,7 +74,7 @@ def _fix_kv_short(d: Diagnosis, facts: Facts) -> Fix:
     asked = int(n["max_model_len"])
     if "needed" not in n:  # V0's wording: the tokens the cache holds, no GiB
         held = int(n["kv_tokens"])
-        return Fix(["--max-model-len", str(held)],
+        return Fix([F.flag("max_model_len"), str(held)],
                    explain=[f"one request at --max-model-len {asked:,} needs more KV cache than "
                             f"vLLM had: it holds {held:,} tokens", f"{held:,} tokens is the "
                             "longest context that fits (or raise --gpu-memory-utilization)"])
@@ -98,7 +95,7 @@ def _fix_kv_short(d: Diagnosis, facts: Facts) -> Fix:
         why.append(f"or keep {asked:,} tokens with --kv-cache-memory-bytes "
                    f"{_needed_bytes(n, facts):d}, if the device has that much beside the "
                    "weights (`vlaunch doctor LOG MODEL --gpus ...` checks it)")
-    return Fix(["--max-model-len", str(length)], explain=why)
+    return Fix([F.flag("max_model_len"), str(length)], explain=why)
 
 
 def _needed_bytes(n: dict[str, Any], facts: Facts) -> int:
@@ -121,13 +118,13 @@ def _fix_free_memory(d: Diagnosis, facts: Facts) -> Fix:
     if n.get("kv_requested"):
         kv = float(n["kv_requested"])
         size = int(free * 0.9 * (1 << 30))
-        return Fix(["--kv-cache-memory-bytes", str(size)],
+        return Fix([F.flag("kv_cache_memory_bytes"), str(size)],
                    explain=why + [f"the KV cache asked for {_gib(kv)}; 90% of what is free fits"])
     util = _floor2(free / total - 0.01)
     if util <= 0.05:
         return Fix(explain=why + ["too little is free for any utilization: stop the other "
                                   "process or use another GPU"])
-    return Fix(["--gpu-memory-utilization", f"{util:.2f}"],
+    return Fix([F.flag("gpu_memory_utilization"), f"{util:.2f}"],
                explain=why + [f"--gpu-memory-utilization {n.get('util')} asks for "
                               f"{n.get('requested')} GiB; {util:.2f} is "
                               "at most free/total, less 1%", "or free the GPU: nvidia-smi "
@@ -162,15 +159,15 @@ def _fix_no_kv(d: Diagnosis, facts: Facts) -> Fix:
                                   "to overestimate; switch the estimate off, or --enforce-eager"])
     if consumer == "activations":
         tokens = int(f("max_num_batched_tokens") or facts.arg("max_num_batched_tokens") or 8192)
-        return Fix(["--max-num-batched-tokens", str(max(256, tokens // 2))],
+        return Fix([F.flag("max_num_batched_tokens"), str(max(256, tokens // 2))],
                    explain=why + ["the profiling batch's activations are the biggest item; "
                                   "half the prefill token budget halves them"])
     if util < 0.95:
-        return Fix(["--gpu-memory-utilization", f"{min(0.95, util + 0.05):.2f}"],
+        return Fix([F.flag("gpu_memory_utilization"), f"{min(0.95, util + 0.05):.2f}"],
                    explain=why + ["the weights fill the budget; a higher utilization leaves "
                                   "room for KV, more GPUs (--tensor-parallel-size) more so"])
     tp = int(facts.arg("tensor_parallel_size") or 1)
-    return Fix(["--tensor-parallel-size", str(tp * 2)],
+    return Fix([F.flag("tensor_parallel_size"), str(tp * 2)],
                explain=why + ["the weights fill the GPU even at a high utilization: split "
                               "them over twice the GPUs"])
 
@@ -180,17 +177,17 @@ def _fix_oom(d: Diagnosis, facts: Facts) -> Fix:
     c = d.consumer
     if c == "weights":
         tp = int(facts.arg("tensor_parallel_size") or 1)
-        return Fix(["--tensor-parallel-size", str(tp * 2)],
+        return Fix([F.flag("tensor_parallel_size"), str(tp * 2)],
                    explain=["out of memory while loading the weights: they do not fit on "
                             f"{tp} GPU(s) beside what else is there; split them over twice the "
                             "GPUs or use a quantized checkpoint"])
     if c == "cuda_graphs":
-        return Fix(["--gpu-memory-utilization", f"{_floor2(util - 0.05):.2f}"],
+        return Fix([F.flag("gpu_memory_utilization"), f"{_floor2(util - 0.05):.2f}"],
                    explain=["out of memory while capturing CUDA graphs: the KV cache left too "
                             "little for them; 0.05 less utilization leaves it to the graphs "
                             "(--enforce-eager drops the graphs, slower)"])
     if c == "kv_cache":
-        return Fix(["--gpu-memory-utilization", f"{_floor2(util - 0.05):.2f}"],
+        return Fix([F.flag("gpu_memory_utilization"), f"{_floor2(util - 0.05):.2f}"],
                    explain=["out of memory while allocating the KV cache vLLM had sized: memory "
                             "changed after profiling; ask for 0.05 less"])
     if c == "co_tenant":
@@ -198,14 +195,14 @@ def _fix_oom(d: Diagnosis, facts: Facts) -> Fix:
                             "the GPU; free it or lower --gpu-memory-utilization to free/total"])
     tokens = int(facts.number("max_num_batched_tokens") or facts.arg("max_num_batched_tokens")
                  or 8192)
-    return Fix(["--max-num-batched-tokens", str(max(256, tokens // 2))],
+    return Fix([F.flag("max_num_batched_tokens"), str(max(256, tokens // 2))],
                explain=[f"out of memory in a forward pass ({d.phase}): activations scale with "
                         "the batch's tokens; half the prefill token budget"])
 
 
 def _fix_sampler(d: Diagnosis, facts: Facts) -> Fix:
     reqs = int(d.numbers.get("num_reqs") or facts.arg("max_num_seqs") or 256)
-    return Fix(["--max-num-seqs", str(max(1, reqs // 2))],
+    return Fix([F.flag("max_num_seqs"), str(max(1, reqs // 2))],
                explain=[f"the sampler's warm-up with {reqs} requests ran out of memory; it "
                         "scales with --max-num-seqs"])
 
@@ -215,7 +212,7 @@ def _fix_host_oom(d: Diagnosis, facts: Facts) -> Fix:
            "(RAM or the container's limit) ran out, not GPU memory"]
     if facts.cpu and d.consumer == "kv_cache" and facts.arg("kv_cache_memory_bytes"):
         half = int(facts.arg("kv_cache_memory_bytes")) // 2
-        return Fix(["--kv-cache-memory-bytes", str(half)],
+        return Fix([F.flag("kv_cache_memory_bytes"), str(half)],
                    explain=why + ["on the CPU backend the KV cache lives in RAM: half of it"])
     return Fix(explain=why + ["raise the container's memory limit or load fewer shards at "
                               "once; no vLLM flag changes what the weights need"])
@@ -223,13 +220,13 @@ def _fix_host_oom(d: Diagnosis, facts: Facts) -> Fix:
 
 def _fix_kv_dtype(d: Diagnosis, facts: Facts) -> Fix:
     dtype = d.numbers.get("dtype") or facts.arg("kv_cache_dtype") or "fp8"
-    return Fix(["--kv-cache-dtype", "auto"],
+    return Fix([F.flag("kv_cache_dtype"), "auto"],
                explain=[f"no attention kernel here takes a {dtype} KV cache; auto stores it in "
                         "the model's dtype (half the tokens of fp8)"])
 
 
 def _fix_bad_kv_dtype(d: Diagnosis, facts: Facts) -> Fix:
-    return Fix(["--kv-cache-dtype", "auto"],
+    return Fix([F.flag("kv_cache_dtype"), "auto"],
                explain=[f"'{d.numbers.get('dtype')}' is not a KV cache dtype vLLM knows; "
                         "auto is the model's dtype (fp8 halves the KV bytes where supported)"])
 
@@ -238,14 +235,14 @@ def _fix_port(d: Diagnosis, facts: Facts) -> Fix:
     port = facts.arg("port")
     start = int(port) + 1 if isinstance(port, int) else 8001
     free = next_free_port(start)
-    return Fix(["--port", str(free)],
+    return Fix([F.flag("port"), str(free)],
                explain=[f"port {port if port is not None else 8000} is taken by another "
                         f"process; {free} was free on this machine when diagnosed"])
 
 
 def _fix_max_len(d: Diagnosis, facts: Facts) -> Fix:
     n = d.numbers
-    return Fix(["--max-model-len", str(n["derived"])],
+    return Fix([F.flag("max_model_len"), str(n["derived"])],
                explain=[f"the model's config allows {int(n['derived']):,} tokens "
                         f"({n['key']}); {int(n['asked']):,} was asked"])
 
@@ -260,7 +257,7 @@ def _fix_timeout(d: Diagnosis, facts: Facts) -> Fix:
 def _fix_tp(d: Diagnosis, facts: Facts) -> Fix:
     heads, tp = int(d.numbers["heads"]), int(d.numbers["tp"])
     ok = max(t for t in (1 << i for i in range(tp.bit_length())) if t <= tp and heads % t == 0)
-    return Fix(["--tensor-parallel-size", str(ok)],
+    return Fix([F.flag("tensor_parallel_size"), str(ok)],
                explain=[f"{heads} attention heads do not split over {tp} GPUs; {ok} is the "
                         "largest power of two below that divides them"])
 
@@ -292,7 +289,7 @@ def _fix_nccl_shm(d: Diagnosis, facts: Facts) -> Fix:
 
 
 def _fix_nccl_p2p(d: Diagnosis, facts: Facts) -> Fix:
-    return Fix(["--disable-custom-all-reduce"], env={"NCCL_P2P_DISABLE": "1"}, explain=[
+    return Fix([F.flag("disable_custom_all_reduce")], env={"NCCL_P2P_DISABLE": "1"}, explain=[
         "the GPUs cannot map each other's memory (peer access: no NVLink/PCIe P2P between them, "
         "IOMMU or ACS on, or a VM that hides it); NCCL_P2P_DISABLE=1 makes NCCL go through "
         "host memory and --disable-custom-all-reduce stops vLLM's own P2P all-reduce",
@@ -400,29 +397,20 @@ def apply_log_fixes(report: Report) -> None:
         d.serve_command = serve_command_from_log(report.facts, fix)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _log_args(facts: Facts) -> list[str]:
-    """vLLM's flags of the failed run, from its "non-default args" (model first)."""
-    out: list[str] = []
-    for key, value in facts.args.items():
-        if key in ("model", "model_tag", "port"):
-            continue  # the model goes first; vlaunch serve picks a free port unless fixed
-        if key in SECRET_ARGS:  # never replay a secret from the log: name its variable
-            out += [_flag(key), _SECRET_MARK + SECRET_ARGS[key]]
-        elif value is True:
-            out.append(_flag(key))
-        elif isinstance(value, (str, int, float)) and value is not False:
-            out += [_flag(key), str(value)]
-    return out
+    """vLLM's flags of the failed run, from its "non-default args", as far as the flag table
+    lets the doctor suggest them: a log is anyone's text, and a `run:` line that copied its
+    --trust-remote-code, --tool-parser-plugin /tmp/x.py, --allowed-local-media-path / or
+    --host 0.0.0.0 would have the reader run them (issue 31 M3). The model goes first; the port
+    is left to vlaunch serve (a free one unless fixed); a secret is named by its variable."""
+    rest = {k: v for k, v in facts.args.items() if k not in ("model", "model_tag", "port")}
+    return F.from_log_args(rest)
 
 
 # vLLM arguments whose values are secrets (as "non-default args" names them), and the
-# environment variable a command reads instead: launcher.redact's one list.
-SECRET_ARGS = {flag[2:].replace("-", "_"): env for flag, env in SECRET_FLAGS.items()}
-_SECRET_MARK = "\0env:"
+# environment variable a command reads instead: the flag table's secrets.
+SECRET_ARGS = {f.dest: str(f.secret_env) for f in F.flags() if f.secret}
+_SECRET_MARK = F.SECRET_MARK
 
 
 def shell_join(words: list[str]) -> str:
@@ -458,9 +446,9 @@ def _split_pins(args: list[str]) -> tuple[list[str], list[str]]:
         name = args[i]
         value = [args[i + 1]] if i + 1 < len(args) and not args[i + 1].startswith("--") else []
         i += 1 + len(value)
-        if name == "--served-model-name":
+        if name == F.flag("served_model_name"):
             continue  # vlaunch serve names the model after its folder
-        target = pins if name in _VLAUNCH_PINS or name == "--port" else rest
+        target = pins if name in _VLAUNCH_PINS or name == F.flag("port") else rest
         target += [_VLAUNCH_PINS.get(name, name), *value]
     return pins, rest
 
@@ -481,11 +469,11 @@ class PlanContext:
     source: str = "model"  # "model" (MODEL --gpus), "plan" (--plan) or "log" (what it says)
 
 
-def context_from_plan(d: dict[str, Any]) -> PlanContext:
-    """Model, hardware and pins of an emitted plan.json (as `vlaunch exec` rebuilds them)."""
+def context_from_plan(d: Deployment) -> PlanContext:
+    """Model, hardware and pins of an emitted plan (as `vlaunch exec --replan` rebuilds them)."""
     spec, hw, pins = inputs_from_plan(d)
-    g = d["gpus"]
-    gpus = "cpu" if g["platform"] == "cpu" else f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}"
+    g = d.hardware
+    gpus = "cpu" if g.platform == "cpu" else f"{g.nodes}x{g.gpus_per_node}x{g.name}"
     return PlanContext(spec, hw, pins, make_plan(spec, hw, pins), gpus, source="plan")
 
 
@@ -542,14 +530,13 @@ def _offline() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = before
 
 
-# The failed launch's vLLM arguments ("non-default args") that are planner pins.
-_ARG_PINS = {"max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
-             "kv_cache_dtype": "kv_cache_dtype", "tensor_parallel_size": "tp",
-             "pipeline_parallel_size": "pp", "data_parallel_size": "dp",
-             "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-             "kv_cache_memory_bytes": "kv_cache_memory_bytes", "enforce_eager": "enforce_eager"}
-_FLAG_PINS = {_flag(k): v for k, v in _ARG_PINS.items()}
-_FLAG_PINS.update({"--tp": "tp", "--pp": "pp", "--dp": "dp"})
+# The failed launch's vLLM arguments ("non-default args") that are planner pins: the flag
+# table's pins the doctor may suggest, by dest, and by every spelling (--tensor-parallel-size,
+# -tp, vlaunch's --tp).
+_SUGGESTED = tuple(f for f in F.pins() if f.suggest and f.pin)
+_ARG_PINS = {f.dest: f.pin.field for f in _SUGGESTED if f.pin}
+_FLAG_PINS = {n: f.pin.field for f in _SUGGESTED if f.pin for n in (*f.names, f.pin.option)}
+_PIN_KIND = {f.pin.field: f.kind for f in _SUGGESTED if f.pin}
 
 
 def launch_pins(ctx: PlanContext, facts: Facts) -> Any:
@@ -591,11 +578,12 @@ def _with_flags(pins: Any, args: list[str]) -> Any | None:
         i += 2 if value is not None else 1
         if pin is None:
             return None
-        if pin == "enforce_eager":
+        kind = _PIN_KIND[pin]
+        if kind == F.SWITCH:
             changes[pin] = True
-        elif pin in ("gpu_memory_utilization",):
+        elif kind == F.FLOAT:
             changes[pin] = float(value or 0)
-        elif pin == "kv_cache_dtype":
+        elif kind == F.STR:
             changes[pin] = value
         else:
             changes[pin] = int(value or 0)
@@ -651,12 +639,8 @@ def _replanned(d: Diagnosis, ctx: PlanContext, pins: Any, plan: Any) -> tuple[An
     return None
 
 
-_PIN_FLAGS = {"max_model_len": "--max-model-len", "kv_cache_dtype": "--kv-cache-dtype",
-              "gpu_memory_utilization": "--gpu-memory-utilization",
-              "max_num_seqs": "--max-num-seqs",
-              "max_num_batched_tokens": "--max-num-batched-tokens",
-              "kv_cache_memory_bytes": "--kv-cache-memory-bytes", "tp": "--tensor-parallel-size",
-              "enforce_eager": "--enforce-eager"}
+_PIN_FLAGS = {f.pin.field: f.name for f in _SUGGESTED if f.pin}  # Pins field -> vLLM flag
+_PIN_OPTIONS = {f.pin.field: f.pin.option for f in _SUGGESTED if f.pin}  # -> vlaunch option
 
 
 def _changed_flags(old: Any, new: Any, settled: Any) -> list[str]:
@@ -727,21 +711,21 @@ def _fits(plan: Any) -> bool:
     where a planner release takes the pin on trust."""
     if not plan.fits:
         return False
-    d = plan.to_dict()
-    g = d["per_gpu"]
-    used = sum(g.get(k, 0) for k in ("weights_bytes", "activation_bytes", "cudagraph_bytes",
-                                      "non_torch_bytes", "kv_cache_bytes"))
-    return plan.hardware.is_cpu or used <= d["gpus"]["total_bytes"]
+    dep = plan.deployment()
+    g = dep.pool.per_gpu
+    used = (g.weights_bytes + g.activation_bytes + g.cudagraph_bytes + g.non_torch_bytes
+            + g.kv_cache_bytes)
+    return plan.hardware.is_cpu or used <= dep.hardware.total_bytes
 
 
 def _problem(plan: Any) -> str:
     if not plan.fits:
         return plan.chosen.problem
-    d = plan.to_dict()
-    g = d["per_gpu"]
-    return (f"the pinned KV cache ({g['kv_cache_bytes'] / (1 << 30):.1f} GiB) and weights "
-            f"({g['weights_bytes'] / (1 << 30):.1f} GiB) exceed the "
-            f"{d['gpus']['total_bytes'] / (1 << 30):.1f} GiB card")
+    dep = plan.deployment()
+    g = dep.pool.per_gpu
+    return (f"the pinned KV cache ({g.kv_cache_bytes / (1 << 30):.1f} GiB) and weights "
+            f"({g.weights_bytes / (1 << 30):.1f} GiB) exceed the "
+            f"{dep.hardware.total_bytes / (1 << 30):.1f} GiB card")
 
 
 _ALTERNATIVE = re.compile(r"--kv-cache-memory-bytes (\d+)")
@@ -787,12 +771,13 @@ def serve_command_from_pins(ctx: PlanContext, pins: Any, env: dict[str, str]) ->
     if ctx.gpus:
         args += ["--gpus", ctx.gpus]
     for name in ("tp", "pp", "dp", "max_model_len", "kv_cache_dtype", "gpu_memory_utilization",
-                 "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+                 "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+                 "enforce_eager"):
         value = getattr(pins, name)
-        if value is not None:
-            args += [_flag(name), _fmt(name, value)]
-    if pins.enforce_eager:
-        args.append("--enforce-eager")
+        if value is True:  # a switch
+            args.append(_PIN_OPTIONS[name])
+        elif value is not None and value is not False:
+            args += [_PIN_OPTIONS[name], _fmt(name, value)]
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return (prefix + " " if prefix else "") + shlex.join(args)
 

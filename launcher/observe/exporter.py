@@ -4,7 +4,7 @@ Why a separate exporter: vLLM reports how full its KV cache is, but not how big 
 form a dashboard can use (capacity hides in the labels of `vllm:cache_config_info`), and nothing
 in vLLM knows what the plan predicted. This module joins the three sources at scrape time:
 
-- the plan (a `Plan.to_dict()` dict): planned capacity, the per-GPU memory budget, plan info;
+- the plan (its typed Deployment): planned capacity, the per-GPU memory budget, plan info;
 - vLLM's own `/metrics` (fetched on every scrape of ours, cached for a short TTL): usage ratio and
   actual capacity per engine (the `engine` label is vLLM's DP engine index);
 - the GPUs, through a `gpu_reader` callable (NVML via `launcher.inputs.inventory` by default).
@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
+from ..deployment.plan import Deployment
 from .families import (
     ActualNumbers,
     engine_families,
@@ -83,7 +84,7 @@ _JOIN_SLACK_S = 2.0
 class Exporter:
     """The vlaunch collector plus its HTTP server. Thread-safe; one per deployment.
 
-    `plan`: a plan dict (may be None: then only engine and GPU series). `vllm_url`: the vLLM API
+    `plan`: the Deployment it serves (None: only engine and GPU series). `vllm_url`: the vLLM API
     server (None: no engine series). `gpu_reader`: callable returning device records, None for no
     GPU series, or the string "auto" for `default_gpu_reader()`. `startup_timeout_s`: how long an
     engine that has not answered since the exporter started (or since `record_restart()`) counts
@@ -94,18 +95,18 @@ class Exporter:
     def __init__(
         self,
         vllm_url: str | None = None,
-        plan: Mapping[str, Any] | None = None,
+        plan: Deployment | None = None,
         gpu_reader: GpuReader | str | None = "auto",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cache_ttl_s: float = DEFAULT_CACHE_TTL_S,
-        startup_timeout_s: float | Callable[[Mapping[str, Any]], float] | None = None,
+        startup_timeout_s: float | Callable[[Deployment], float] | None = None,
     ):
         self.metrics_url = metrics_url(vllm_url) if vllm_url else None
         # prometheus_client servers honour `name[]` and then render only these families; vLLM
         # 0.32's own /metrics route ignores it and sends everything, which the filter handles.
         query = urllib.parse.urlencode([("name[]", n) for n in NEEDED_FAMILIES])
         self._fetch_url = f"{self.metrics_url}?{query}" if self.metrics_url else None
-        self.plan: Mapping[str, Any] = plan or {}
+        self.plan: Deployment | None = plan
         self.gpu_reader = default_gpu_reader() if gpu_reader == "auto" else gpu_reader
         self.timeout_s = timeout_s
         self.cache_ttl_s = cache_ttl_s
@@ -232,6 +233,8 @@ class Exporter:
         if not callable(given):
             return given
         plan = self.plan
+        if plan is None:
+            return DEFAULT_STARTUP_S
         if self._window is None or self._window[0] != id(plan):
             self._window = (id(plan), float(given(plan)))
         return self._window[1]

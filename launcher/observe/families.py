@@ -9,12 +9,13 @@ and yields prometheus_client families.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..deployment.plan import Deployment
 from .gpus import GpuRecord
 from .vllmpage import VllmSnapshot
 
@@ -59,30 +60,12 @@ def _num(value: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def plan_value(plan: Mapping[str, Any], *keys: str) -> Any:
-    """`plan[k1][k2]...`, or None where the plan (a dict from JSON) has no such entry."""
-    node: Any = plan
-    for k in keys:
-        if not isinstance(node, Mapping):
-            return None
-        node = node.get(k)
-    return node
-
-
-def _planned_tokens(plan: Mapping[str, Any]) -> float | None:
-    v = _num(plan_value(plan, "kv_cache", "tokens"))
-    return v if v and v > 0 else None
-
-
-def _planned_kv_bytes(plan: Mapping[str, Any]) -> float | None:
-    v = _num(plan_value(plan, "per_gpu", "kv_cache_bytes"))
-    if v is None:
-        v = _num(plan_value(plan, "kv_cache", "memory_bytes"))
-    return v if v and v > 0 else None
+def _positive(v: float | None) -> float | None:
+    return v if v is not None and v > 0 else None
 
 
 def engine_families(
-    plan: Mapping[str, Any], snap: VllmSnapshot | None, actual: ActualNumbers, restarts: int,
+    plan: Deployment | None, snap: VllmSnapshot | None, actual: ActualNumbers, restarts: int,
     starting: bool,
 ) -> Iterator[Metric]:
     """Engine up/starting, restarts, and the KV cache per engine next to the plan's numbers."""
@@ -135,17 +118,19 @@ def engine_families(
     )
     # Planned and per-GPU series have no `engine` label (the plan is the same for every
     # engine); Prometheus allows label sets to differ within a family.
-    planned_tokens = _planned_tokens(plan)
-    planned_bytes = _planned_kv_bytes(plan)
-    planned_conc = _num(plan_value(plan, "max_concurrency"))
-    max_model_len = _num(plan_value(plan, "max_model_len"))
+    pool = plan.pool if plan is not None else None
+    planned_tokens = _positive(pool.kv_cache.tokens) if pool else None
+    planned_bytes = _positive(pool.per_gpu.kv_cache_bytes or pool.kv_cache.memory_bytes) \
+        if pool else None
+    planned_conc = _positive(pool.max_concurrency) if pool else None
+    max_model_len = _positive(pool.engine.max_model_len) if pool else None
     if planned_tokens:
         _add(capacity, {"source": "planned"}, planned_tokens)
     if planned_bytes:
         _add(cap_bytes, {"source": "planned"}, planned_bytes)
     if planned_conc:
         _add(concurrency, {"source": "planned"}, planned_conc)
-    planned_weights = _num(plan_value(plan, "per_gpu", "weights_bytes"))
+    planned_weights = _positive(pool.per_gpu.weights_bytes) if pool else None
     if planned_weights and actual.weights_bytes:
         _add(error, {"quantity": "weights"},
              (actual.weights_bytes - planned_weights) / planned_weights)
@@ -173,29 +158,24 @@ def engine_families(
                 concurrency.add_metric(["actual", engine], conc)
     yield from (usage, used, capacity, cap_bytes, concurrency, error)
 
-def plan_families(plan: Mapping[str, Any]) -> Iterator[Metric]:
+def plan_families(plan: Deployment | None) -> Iterator[Metric]:
     """The plan's per-GPU memory budget and what it runs (nothing without a plan)."""
-    if not plan:
+    if plan is None:
         return
+    pool = plan.pool
     memory = GaugeMetricFamily(
         "vlaunch_plan_memory_bytes",
         "The plan's per-GPU memory budget by consumer, in bytes.",
         labels=["component"],
     )
     for component, key in PLAN_COMPONENTS.items():
-        v = _num(plan_value(plan, "per_gpu", key))
-        if v is not None:
-            memory.add_metric([component], v)
+        memory.add_metric([component], float(getattr(pool.per_gpu, key)))
     yield memory
-    parallel = plan_value(plan, "parallel") or {}
+    p = pool.engine.parallel
     info = {
-        "model": plan_value(plan, "model", "name"),
-        "tp": parallel.get("tp") if isinstance(parallel, Mapping) else None,
-        "pp": parallel.get("pp") if isinstance(parallel, Mapping) else None,
-        "dp": parallel.get("dp") if isinstance(parallel, Mapping) else None,
-        "kv_cache_dtype": plan_value(plan, "kv_cache", "dtype"),
-        "max_model_len": plan_value(plan, "max_model_len"),
-        "vllm_version": plan_value(plan, "vllm_version"),
+        "model": plan.model.name, "tp": p.tp, "pp": p.pp, "dp": p.dp,
+        "kv_cache_dtype": pool.kv_cache.dtype, "max_model_len": pool.engine.max_model_len,
+        "vllm_version": plan.vllm_version,
     }
     plan_info = GaugeMetricFamily(
         "vlaunch_plan_info", "The plan this deployment runs (always 1).", labels=list(info)
@@ -203,7 +183,7 @@ def plan_families(plan: Mapping[str, Any]) -> Iterator[Metric]:
     plan_info.add_metric(["" if v is None else str(v) for v in info.values()], 1.0)
     yield plan_info
 
-def scaling_families(plan: Mapping[str, Any], snap: VllmSnapshot | None) -> Iterator[Metric]:
+def scaling_families(plan: Deployment | None, snap: VllmSnapshot | None) -> Iterator[Metric]:
     """The plan's capacity per replica and the replicas the live load calls for, per pool.
 
     `vlaunch_replica_capacity_requests{role}` is the plan's `target_running_per_replica` (the
@@ -211,15 +191,14 @@ def scaling_families(plan: Mapping[str, Any], snap: VllmSnapshot | None) -> Iter
     ceil((running + waiting requests, summed over every engine this exporter scrapes) / that
     capacity): the replicas this load needs at the plan's figures, for an HPA or KEDA to scale
     on directly; summed over the pool's exporters it is the pool's count. It exists only while
-    vLLM answers (dropped, never frozen), and not at all for a plan without autoscaling.
+    vLLM answers (dropped, never frozen), and not at all for a plan without autoscaling. The
+    engines an exporter scrapes are its plan's first pool's (the one pool until disaggregated
+    serving runs a pool per process group).
     """
-    a = plan_value(plan, "autoscaling")
-    if not isinstance(a, Mapping):
+    a = plan.pool.autoscaling if plan is not None else None
+    if a is None or a.target_running_per_replica <= 0:
         return
-    target = _num(a.get("target_running_per_replica"))
-    if not target or target <= 0:
-        return
-    role = str(a.get("role") or "aggregated")
+    target, role = float(a.target_running_per_replica), a.role
     cap = GaugeMetricFamily(
         "vlaunch_replica_capacity_requests",
         "Requests in flight one replica holds within the SLO (the plan's "
@@ -230,10 +209,9 @@ def scaling_families(plan: Mapping[str, Any], snap: VllmSnapshot | None) -> Iter
         "vlaunch_plan_slo_seconds",
         "The plan's per-request SLO (TTFT, and TPOT for vLLM's inter-token latency), seconds.",
         labels=["role", "quantity"])
-    for quantity, key in (("ttft", "ttft_ms"), ("tpot", "tpot_ms")):
-        v = _num(plan_value(plan, "performance", "slo", key))
-        if v and v > 0:
-            slo.add_metric([role, quantity], v / 1e3)
+    if plan.slo is not None:
+        for quantity, ms in (("ttft", plan.slo.ttft_ms), ("tpot", plan.slo.tpot_ms)):
+            slo.add_metric([role, quantity], ms / 1e3)
     yield slo
     desired = GaugeMetricFamily(
         "vlaunch_desired_replicas",

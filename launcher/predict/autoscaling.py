@@ -186,14 +186,14 @@ def derive(knee: Knee, *, ttft_slo_ms: float, single_ttft_ms: float, dp: int,
                        startup.seconds, role, basis, tuple(notes))
 
 
-def ask_from_plan(d: dict[str, Any]) -> dict[str, Any]:
-    """make_plan's `scaling` and `load_path` for a re-plan of an emitted plan (`vlaunch exec`):
-    the same replica bounds and weights path, so its autoscaling and start-up key match."""
-    a, st = d.get("autoscaling"), d.get("startup")
+def ask_from_plan(dep: Any) -> dict[str, Any]:
+    """make_plan's `scaling` and `load_path` for a re-plan of an emitted plan (`vlaunch exec`,
+    a typed Deployment): the same replica bounds and weights path, so its autoscaling and
+    start-up key match."""
+    a, st = dep.pool.autoscaling, dep.pool.startup
     out: dict[str, Any] = {}
-    if isinstance(a, dict) and isinstance(a.get("min_replicas"), int):
-        out["scaling"] = ScalingAsk(min_replicas=a["min_replicas"],
-                                    max_replicas=a.get("max_replicas"))
-    if isinstance(st, dict) and st.get("load_path") in ("local", "volume", "hub"):
-        out["load_path"] = st["load_path"]
+    if a is not None:
+        out["scaling"] = ScalingAsk(min_replicas=a.min_replicas, max_replicas=a.max_replicas)
+    if st is not None:
+        out["load_path"] = st.load_path
     return out

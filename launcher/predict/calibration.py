@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..deployment.plan import Deployment
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
 from . import perf
 
@@ -38,20 +39,20 @@ def key(model: str, gpu: str, count: int, tp: int, pp: int, dp: int, ep: bool, k
             f"{'ep' if ep else ''}|{kv_dtype}")
 
 
-def plan_key(d: dict[str, Any]) -> str:
-    p, g = d["parallel"], d["gpus"]
-    return key(d["model"]["name"], g["name"], int(g["count"]), p["tp"], p["pp"], p["dp"],
-               bool(p["expert_parallel"]), d["kv_cache"]["dtype"], d["vllm_version"])
+def plan_key(d: Deployment) -> str:
+    p, g = d.engine.parallel, d.hardware
+    return key(d.model.name, g.name, g.count, p.tp, p.pp, p.dp, p.expert_parallel,
+               d.pool.kv_cache.dtype, d.vllm_version)
 
 
-def record(d: dict[str, Any], points: list[dict[str, Any]], source: str,
+def record(d: Deployment, points: list[dict[str, Any]], source: str,
            shape: perf.EngineShape | None) -> Path:
     """Add measured points for the engine of plan `d`, refit its scales, save atomically.
     `shape` is that engine as the performance model sees it (planshape.shape_from_plan; None:
     no speed facts, the points are kept unfitted)."""
     k = plan_key(d)
-    engine = {"max_num_seqs": d.get("max_num_seqs"),
-              "max_num_batched_tokens": d.get("max_num_batched_tokens")}
+    engine = {"max_num_seqs": d.engine.max_num_seqs,
+              "max_num_batched_tokens": d.engine.max_num_batched_tokens}
 
     def add(data: dict[str, Any]) -> None:
         # Merged with what is on disk now, under the cache's lock: another tune's points for
@@ -63,7 +64,7 @@ def record(d: dict[str, Any], points: list[dict[str, Any]], source: str,
         # Points of one layout from engines with other batch limits stay apart: the limits are
         # part of each point, and the fit replays every point on its own engine's limits.
         entry["points"] = _merge(entry["points"], [engine | p for p in points])
-        entry.update(family=family(d["model"]["name"], d["gpus"]["name"], d["vllm_version"]),
+        entry.update(family=family(d.model.name, d.hardware.name, d.vllm_version),
                      source=source,
                      recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         cal = perf.calibrate(shape, entry["points"]) if shape else None

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..deployment.argv import engine_argv
+from ..deployment.codec import to_json
 from ..errors import InputError
 from ..inputs.hardware import GiB, Hardware, kinds, parse_gpus
 from ..inputs.model import ModelSpec
@@ -146,34 +148,33 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
     if a is None:
         opt.problem = f"no speed facts for {hw.kind.name} in the GPU catalog"
         return opt
-    d = plan.to_dict()  # the plan's own serialisation: the same figures `vlaunch plan` prints
-    perf_d, c = d["performance"], plan.chosen
-    opt.parallel = {**{k: d["parallel"][k] for k in ("tp", "pp", "dp", "expert_parallel",
-                                                      "nodes")}, "label": c.label()}
+    dep = plan.deployment()  # the typed plan: the same figures `vlaunch plan` prints
+    perf_t, c = dep.performance, plan.chosen
+    assert perf_t is not None  # the plan has an assessment (a), so it has its figures
+    opt.parallel = {**to_json(dep.engine.parallel), "label": c.label()}
     opt.kv_dtype, opt.max_model_len, opt.source = c.kv_dtype, c.max_model_len, a.source
-    opt.curve = perf_d["curve"]
-    opt.single_request = perf_d["single_request"]
-    opt.vllm_args = d["vllm_args"]
+    opt.curve = to_json(perf_t.curve)
+    opt.single_request = to_json(perf_t.single_request)
+    opt.vllm_args = engine_argv(dep.engine)
     s = plan.serving
     opt.serving = {"mtp": s.mtp.k if s.mtp.enabled else 0, "mtp_reason": s.mtp.reason,
                    "all2all_backend": s.ep.backend if s.ep.applies else None}
-    k = perf_d["knee"]
+    k = perf_t.knee
     if k is None:
-        one = perf_d["single_request"]
+        one = perf_t.single_request
         opt.problem = (f"the SLO is out of reach: one request alone sees TPOT "
-                       f"{one['tpot_ms']:.1f} ms, TTFT {one['ttft_ms']:,.0f} ms")
+                       f"{one.tpot_ms:.1f} ms, TTFT {one.ttft_ms:,.0f} ms")
         opt.binding = "slo"
         return opt
-    opt.binding = perf_d["binding"]
-    opt.per_replica = {"knee_concurrency": k["concurrency"],
-                       "requests_per_s": k["requests_per_s"],
-                       "output_tokens_per_s": k["output_tokens_per_s"],
-                       "tpot_ms": k["tpot_ms"], "ttft_ms": k["ttft_ms"]}
+    opt.binding = perf_t.binding
+    opt.per_replica = {"knee_concurrency": k.concurrency, "requests_per_s": k.requests_per_s,
+                       "output_tokens_per_s": k.output_tokens_per_s,
+                       "tpot_ms": k.tpot_ms, "ttft_ms": k.ttft_ms}
     # Users are a closed loop (the knee's concurrency); arrivals are Poisson, so a replica
     # takes the rate whose random peaks still fit under the knee (perf.open_loop_rate).
-    open_rps = perf.open_loop_rate(a.shape, workload, k["concurrency"])
+    open_rps = perf.open_loop_rate(a.shape, workload, k.concurrency)
     opt.per_replica["open_loop_requests_per_s"] = round(open_rps, 3)
-    per = k["concurrency"] if load.users is not None else open_rps
+    per = k.concurrency if load.users is not None else open_rps
     if per <= 0:
         opt.problem = "the knee is at one request: Poisson arrivals would queue past the SLO"
         return opt

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
+from ..inputs import vllm_flags
 from ..inputs.hardware import GiB, MiB
 from .serving_flags import at_least, table
 
@@ -117,7 +118,7 @@ class Choice:
     def vllm_args(self) -> list[str]:
         if not self.applies or not self.backend or self.backend == self.default:
             return []
-        return ["--all2all-backend", self.backend] if self.style == "flag" else []
+        return vllm_flags.argv({"all2all_backend": self.backend if self.style == "flag" else None})
 
     def env(self) -> dict[str, str]:
         if not self.applies or not self.backend or self.backend == self.default:
@@ -220,11 +221,3 @@ def choose(spec: Any, hw: Any, layout: Any, objective: str, workload: Any, versi
     c.reason = (f"all2all-backend {want} ({flag if want != c.default else 'vLLM default'}): "
                 f"{why_want}; {row['reason']}" + ("; " + "; ".join(extra) if extra else ""))
     return c
-
-
-def from_plan(d: dict[str, Any]) -> dict[str, Any]:
-    """The pin that reproduces an emitted plan's backend (`vlaunch exec`)."""
-    s = (d.get("serving") or {}).get("ep_backend") or {}
-    if s.get("applies") and s.get("backend") and s.get("backend") != s.get("vllm_default"):
-        return {"all2all_backend": s["backend"]}
-    return {}

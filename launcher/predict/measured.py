@@ -17,20 +17,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..deployment.plan import Deployment
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
 
-_DECISIONS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs",
-              "max_num_batched_tokens", "enforce_eager", "vllm_version")
 
-
-def plan_key(d: dict[str, Any]) -> str:
-    """A digest of everything a measured KV size depends on, from a plan dict."""
-    m, g = d["model"], d["gpus"]
+def plan_key(d: Deployment) -> str:
+    """A digest of everything a measured KV size depends on, from a plan (the same digest
+    as before plans were typed: recorded rows keep their keys)."""
+    m, g, e = d.model, d.hardware, d.engine
+    p = e.parallel
     factors = {
-        "model": m.get("path") or m["hf_id"], "quantization": m.get("quantization"),
-        "gpu": [g["name"], g["count"], g["nodes"], g["total_bytes"]],
-        "parallel": {k: d["parallel"][k] for k in ("tp", "pp", "dp", "expert_parallel")},
-        "kv_dtype": d["kv_cache"]["dtype"], **{k: d.get(k) for k in _DECISIONS},
+        "model": m.path or m.hf_id, "quantization": m.quantization,
+        "gpu": [g.name, g.count, g.nodes, g.total_bytes],
+        "parallel": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "expert_parallel": p.expert_parallel},
+        "kv_dtype": d.pool.kv_cache.dtype, "gpu_memory_utilization": e.gpu_memory_utilization,
+        "max_model_len": e.max_model_len, "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens, "enforce_eager": e.enforce_eager,
+        "vllm_version": d.vllm_version,
     }
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -58,11 +61,11 @@ def lookup(key: str) -> dict[str, Any] | None:
     return None
 
 
-def record(d: dict[str, Any], kv_bytes: int, source: str) -> Path:
+def record(d: Deployment, kv_bytes: int, source: str) -> Path:
     """Remember vLLM's measured KV bytes for the plan `d` (atomically, under a lock: concurrent
     runs each keep their measurement)."""
     row = {"kv_cache_memory_bytes": int(kv_bytes), "source": source,
-           "predicted_bytes": d["kv_cache"]["memory_bytes"],
+           "predicted_bytes": d.pool.kv_cache.memory_bytes,
            "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     key = plan_key(d)
 

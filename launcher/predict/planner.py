@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..deployment.plan import Reason
 from ..errors import InputError
 from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec, Quant
@@ -59,9 +60,9 @@ class Plan:
     vllm_version: str
     chunked_prefill: bool
     kv_pinned: bool
-    reasons: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    suggestions: list[str] = field(default_factory=list)
+    reasons: list[Reason] = field(default_factory=list)
+    warnings: list[Reason] = field(default_factory=list)
+    suggestions: list[Reason] = field(default_factory=list)
     alternatives: list[Candidate] = field(default_factory=list)
     enforce_eager: bool = False
     performance: Any = None  # perfplan.Assessment of the chosen candidate
@@ -88,38 +89,9 @@ class Plan:
 
     def vllm_args(self) -> list[str]:
         """vLLM's arguments for this plan; empty when it does not fit (nothing to run)."""
-        if not self.fits:
-            return []
-        c, L = self.chosen, self.chosen.layout
-        args = ["--model", self.model.path or self.model.hf_id]
-        if self.model.path:
-            args += ["--served-model-name", self.model.name]
-        elif self.model.revision:  # the Hub revision as the user gave it, like the id
-            args += ["--revision", self.model.revision]
-        args += ["--tensor-parallel-size", str(L.tp)]
-        if L.pp > 1:
-            args += ["--pipeline-parallel-size", str(L.pp)]
-        if L.dp > 1:
-            args += ["--data-parallel-size", str(L.dp)]
-        if L.expert_parallel:
-            args.append("--enable-expert-parallel")
-        args += ["--max-model-len", str(c.max_model_len), "--kv-cache-dtype", c.kv_dtype]
-        if self.kv_pinned:
-            args += ["--kv-cache-memory-bytes", str(c.kv_memory)]
-        if not (self.kv_pinned and self.hardware.is_cpu):
-            # With a pinned KV size vLLM skips profiling but still checks free memory against
-            # utilization x total (v1/worker/gpu_worker.py Worker.init_device ->
-            # v1/worker/utils.py request_memory): keep the utilization the plan chose.
-            args += ["--gpu-memory-utilization", f"{c.utilization:.2f}"]
-        args += ["--max-num-seqs", str(c.max_num_seqs),
-                 "--max-num-batched-tokens", str(c.max_num_batched_tokens)]
-        if self.chunked_prefill:
-            args.append("--enable-chunked-prefill")
-        if self.enforce_eager and not self.hardware.is_cpu:
-            args.append("--enforce-eager")
-        if self.serving is not None:
-            args += self.serving.vllm_args()
-        return args
+        from ..deployment.argv import engine_argv
+
+        return engine_argv(self.deployment().engine) if self.fits else []
 
     def env(self) -> dict[str, str]:
         # Big checkpoints load for many minutes; vLLM's engine-ready wait defaults to 600 s.
@@ -137,104 +109,50 @@ class Plan:
             env.update(self.serving.env())
         return env
 
+    def deployment(self) -> Any:
+        """The plan as the frozen Deployment every command reads (deployment/plan.py)."""
+        from .assemble import deployment
+
+        return deployment(self)
+
     def to_dict(self) -> dict[str, Any]:
-        c, L, hw, m = self.chosen, self.chosen.layout, self.hardware, self.model
-        return {
-            "fits": self.fits,
-            "model": {"name": m.name, "hf_id": m.hf_id, "architecture": m.architecture,
-                      "params": B.param_count(m),
-                      "weights_bytes": round(B.weights_bytes(m) * B.checkpoint_scale(m)),
-                      "quantization": m.quant.method, "path": m.path,
-                      "max_context": m.max_context, "attention": m.attention,
-                      **m.provenance()},
-            "gpus": {"name": hw.kind.name, "count": hw.count, "nodes": hw.nodes,
-                     "gpus_per_node": hw.gpus_per_node, "total_bytes": hw.total_bytes,
-                     "free_bytes": hw.free_bytes, "source": hw.source,
-                     "compute_capability": hw.kind.compute_capability,
-                     "platform": hw.kind.platform},
-            "parallel": {"tp": L.tp, "pp": L.pp, "dp": L.dp,
-                         "expert_parallel": L.expert_parallel, "nodes": L.nodes,
-                         "distributed_executor_backend": self.distributed_executor_backend},
-            "gpu_memory_utilization": round(c.utilization, 4),
-            "max_model_len": c.max_model_len,
-            "max_num_seqs": c.max_num_seqs,
-            "max_num_batched_tokens": c.max_num_batched_tokens,
-            "enable_chunked_prefill": self.chunked_prefill,
-            "enforce_eager": self.enforce_eager,
-            "kv_cache": {"dtype": c.kv_dtype, "bytes_per_token": c.kv_bytes_per_token,
-                         "block_size": c.block_size, "memory_bytes": c.kv_memory,
-                         "tokens": c.tokens, "blocks": c.blocks, "pinned": self.kv_pinned,
-                         "layer_kinds": c.cache.get("kinds", {}),
-                         "groups": c.cache.get("groups", 1),
-                         "blocks_per_request": c.cache.get("blocks_per_request"),
-                         "bytes_per_block": c.cache.get("block_bytes")},
-            "per_gpu": {"requested_bytes": c.requested, "weights_bytes": c.weights,
-                        "activation_bytes": c.activation, "cudagraph_bytes": c.cudagraph,
-                        "non_torch_bytes": c.non_torch, "kv_cache_bytes": c.kv_memory},
-            "max_concurrency": round(c.concurrency, 2),
-            "candidates": {"judged": self.judged, "timed": self.timed},
-            "per_stage": c.stages if L.pp > 1 else [],
-            "vllm_version": self.vllm_version,
-            "vllm_args": self.vllm_args(),
-            "env": self.env(),
-            "reasons": self.reasons,
-            "warnings": self.warnings,
-            "suggestions": self.suggestions,
-            "alternatives": [self._alternative(a) for a in self.alternatives],
-            "performance": self._performance(self.performance),
-            "problem": c.problem or None,
-            "serving": self.serving.to_dict() if self.serving is not None else None,
-            "startup": self.startup.to_dict() if self.startup is not None else None,
-            "autoscaling": self.autoscaling.to_dict() if self.autoscaling is not None else None,
-        }
+        """The plan's JSON: the codec's dump of its Deployment."""
+        from ..deployment.codec import dump
 
-    def _performance(self, a: Any) -> dict[str, Any] | None:
-        from .perfplan import performance_dict
-
-        if self.workload is None or self.slo is None:
-            return None
-        d = performance_dict(a, self.objective, self.workload, self.slo)
-        if d is not None:
-            d["asked_concurrency"] = self.concurrency
-        return d
-
-    def _alternative(self, c: Candidate) -> dict[str, Any]:
-        """A runner-up with the figure it lost on."""
-        a = self.assessments.get(id(c))
-        L = c.layout
-        why = c.problem if not c.fits else self.why_not.get(id(c), "")
-        return {"label": c.label(),
-                "parallel": {"tp": L.tp, "pp": L.pp, "dp": L.dp,
-                             "expert_parallel": L.expert_parallel, "nodes": L.nodes},
-                "kv_cache": {"dtype": c.kv_dtype, "tokens": c.tokens},
-                "max_concurrency": round(c.concurrency, 2), "fits": c.fits,
-                "num_speculative_tokens": self.drafts.get(id(c), 0),
-                "max_num_seqs": c.max_num_seqs,
-                "max_num_batched_tokens": c.max_num_batched_tokens,
-                "performance": self._performance(a) if a else None,
-                "summary": c.summary(), "why_not": why}
-
+        return dump(self.deployment())
 
 
 # ----------------------------------------------------------------------------- search
 
 
-def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: list[str],
-                   warnings: list[str]) -> None:
+def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: list[Reason],
+                   warnings: list[Reason]) -> None:
     """Say which vLLM the plan is for, and refuse what that version cannot do."""
     from .capabilities import installed_vllm, table
 
     newest = str(table()["newest_modelled_vllm"])
     if traits.newer_than_modelled:
-        warnings.append(f"vLLM {traits.version} is newer than the newest release vlaunch models "
-                        f"({newest}): planned with {newest}'s accounting")
+        warnings.append(Reason(
+            "vllm.newer_than_modelled",
+            f"vLLM {traits.version} is newer than the newest release vlaunch models "
+            f"({newest}): planned with {newest}'s accounting",
+            {"version": traits.version, "newest": newest}))
     if pins.vllm_version:
-        reasons.append(f"vLLM {traits.version}: as given by --vllm-version")
+        reasons.append(Reason(
+            "vllm.version",
+            f"vLLM {traits.version}: as given by --vllm-version",
+            {"version": traits.version, "from": "pin", "pinned": True}))
     elif installed_vllm():
-        reasons.append(f"vLLM {traits.version}: the installed version")
+        reasons.append(Reason(
+            "vllm.version",
+            f"vLLM {traits.version}: the installed version",
+            {"version": traits.version, "from": "installed"}))
     else:
-        reasons.append(f"vLLM {traits.version}: assumed (no vLLM is installed here; "
-                       "--vllm-version sets another)")
+        reasons.append(Reason(
+            "vllm.version",
+            f"vLLM {traits.version}: assumed (no vLLM is installed here; "
+            "--vllm-version sets another)",
+            {"version": traits.version, "from": "assumed"}))
     if spec.attention.startswith("mla") and not traits.has("mla_attention"):
         why = gate_reason("mla_attention", traits.version)
         raise InputError(f"{spec.name} uses MLA attention: {why}; plan for a newer "
@@ -246,42 +164,64 @@ def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: 
 
 
 def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
-                 warnings: list[str], reasons: list[str]) -> float:
+                 warnings: list[Reason], reasons: list[Reason]) -> float:
     if hw.is_cpu:
         return CPU_MEMORY_FRACTION
     ceiling = math.floor(max(0, hw.free_bytes - CUDA_CONTEXT_BYTES) / hw.budget_total * 100) / 100
     if pins.gpu_memory_utilization is not None:
         u = pins.gpu_memory_utilization
-        reasons.append(f"gpu-memory-utilization {u:.2f}: pinned by you")
+        reasons.append(Reason(
+            "gpu_memory_utilization.pinned",
+            f"gpu-memory-utilization {u:.2f}: pinned by you",
+            {"value": u, "pinned": True}))
         if hw.source == "nvml" and u > ceiling:
-            warnings.append(f"only {hw.free_bytes / GiB:.1f} GiB of {hw.total_bytes / GiB:.1f} GiB "
-                            f"is free: vLLM's start-up check needs free >= {u:.2f} x total; "
-                            f"{ceiling:.2f} would pass")
+            warnings.append(Reason(
+                "gpu_memory_utilization.over_free",
+                f"only {hw.free_bytes / GiB:.1f} GiB of {hw.total_bytes / GiB:.1f} GiB "
+                f"is free: vLLM's start-up check needs free >= {u:.2f} x total; "
+                f"{ceiling:.2f} would pass",
+                {"value": u, "ceiling": ceiling, "free_bytes": hw.free_bytes,
+                 "total_bytes": hw.total_bytes}))
         return u
     u = traits.default_gpu_memory_utilization
     if hw.source == "nvml" and ceiling < u:
-        reasons.append(f"gpu-memory-utilization {ceiling:.2f}: lowered from vLLM's default {u:.2f} "
-                       f"because only {hw.free_bytes / GiB:.1f} GiB of "
-                       f"{hw.total_bytes / GiB:.1f} GiB is free (vLLM refuses to start when "
-                       "free < utilization x total)")
+        reasons.append(Reason(
+            "gpu_memory_utilization.lowered",
+            f"gpu-memory-utilization {ceiling:.2f}: lowered from vLLM's default {u:.2f} "
+            f"because only {hw.free_bytes / GiB:.1f} GiB of "
+            f"{hw.total_bytes / GiB:.1f} GiB is free (vLLM refuses to start when "
+            "free < utilization x total)",
+            {"value": ceiling, "default": u, "free_bytes": hw.free_bytes,
+             "total_bytes": hw.total_bytes}))
         return max(0.01, ceiling)
-    reasons.append(f"gpu-memory-utilization {u:.2f}: vLLM {traits.version}'s default, and the "
-                   "free memory allows it")
+    reasons.append(Reason(
+        "gpu_memory_utilization.default",
+        f"gpu-memory-utilization {u:.2f}: vLLM {traits.version}'s default, and the "
+        "free memory allows it",
+        {"value": u}))
     return u
 
 
 def _kv_choices(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
-                reasons: list[str], warnings: list[str]) -> tuple[list[str], str]:
+                reasons: list[Reason], warnings: list[Reason]) -> tuple[list[str], str]:
     """KV dtypes worth evaluating, and why fp8 is or is not among them."""
     supported, why = fp8_kv_support(hw, spec.attention, version)
     if pins.kv_cache_dtype:
-        reasons.append(f"kv-cache-dtype {pins.kv_cache_dtype}: pinned by you")
+        reasons.append(Reason(
+            "kv_cache_dtype.pinned",
+            f"kv-cache-dtype {pins.kv_cache_dtype}: pinned by you",
+            {"value": pins.kv_cache_dtype, "pinned": True}))
         if pins.kv_cache_dtype.startswith("fp8") and not supported:
-            warnings.append(f"fp8 KV is not supported here: {why}")
+            warnings.append(Reason(
+                "kv_cache_dtype.fp8_unsupported",
+                f"fp8 KV is not supported here: {why}"))
         return [pins.kv_cache_dtype], why
     if supported:
         return ["auto", "fp8"], why
-    reasons.append(f"kv-cache-dtype auto ({spec.dtype}): fp8 not chosen because {why}")
+    reasons.append(Reason(
+        "kv_cache_dtype.no_fp8",
+        f"kv-cache-dtype auto ({spec.dtype}): fp8 not chosen because {why}",
+        {"value": "auto"}))
     return ["auto"], why
 
 
@@ -316,22 +256,28 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
         raise InputError(f"--concurrency must be a positive integer, got {concurrency}")
     version = pins.vllm_version or default_vllm_version()
     traits = version_traits(version)
-    reasons: list[str] = []
-    warnings: list[str] = list(hw.notes)
+    reasons: list[Reason] = []
+    warnings: list[Reason] = [Reason("hardware.note", n) for n in hw.notes]
     _version_notes(spec, pins, traits, reasons, warnings)
     if spec.commit:
         where = {"hf-cache": "the local HF cache", "vlaunch-cache": "vlaunch's cache of the Hub",
                  "hub": "the Hub"}.get(spec.source, spec.source)
-        reasons.append(f"model {spec.hf_id} at commit {spec.commit[:12]}"
-                       + (f" (revision {spec.revision})" if spec.revision else "")
-                       + f", from {where}"
-                       + (": weights from the safetensors metadata" if spec.params_by_dtype
-                          else ""))
+        reasons.append(Reason(
+            "model.commit",
+            f"model {spec.hf_id} at commit {spec.commit[:12]}"
+            + (f" (revision {spec.revision})" if spec.revision else "")
+            + f", from {where}"
+            + (": weights from the safetensors metadata" if spec.params_by_dtype
+            else ""),
+            {"hf_id": spec.hf_id, "commit": spec.commit, "source": spec.source}))
     if spec.estimate == "generic":
-        warnings.append(f"{spec.name}: model_type '{spec.architecture}' is not in vlaunch's "
-                        "tables; shapes are a generic decoder estimate from config.json"
-                        + (", weights from the safetensors metadata" if spec.checkpoint_bytes
-                           else ""))
+        warnings.append(Reason(
+            "model.generic_estimate",
+            f"{spec.name}: model_type '{spec.architecture}' is not in vlaunch's "
+            "tables; shapes are a generic decoder estimate from config.json"
+            + (", weights from the safetensors metadata" if spec.checkpoint_bytes
+            else ""),
+            {"architecture": spec.architecture}))
     if pins.max_model_len and pins.max_model_len > spec.max_context:
         raise InputError(f"--max-model-len {pins.max_model_len:,} exceeds {spec.name}'s context "
                          f"of {spec.max_context:,} tokens (vLLM refuses it without "
@@ -339,16 +285,22 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     _check_request(spec, pins, workload)
     fitted = fit_to_context(workload, pins.max_model_len or spec.max_context)
     if fitted != workload:
-        reasons.append(f"the assumed workload ({workload.input_len:,} + {workload.output_len:,} "
-                       f"tokens) is longer than the {fitted.input_len + fitted.output_len:,}-"
-                       f"token context: predicted at {fitted.input_len:,} + "
-                       f"{fitted.output_len:,}")
+        reasons.append(Reason(
+            "workload.fitted",
+            f"the assumed workload ({workload.input_len:,} + {workload.output_len:,} "
+            f"tokens) is longer than the {fitted.input_len + fitted.output_len:,}-"
+            f"token context: predicted at {fitted.input_len:,} + "
+            f"{fitted.output_len:,}",
+            {"input_len": fitted.input_len, "output_len": fitted.output_len}))
         workload = fitted
     scale = B.checkpoint_scale(spec)
     if abs(scale - 1) > 0.01:
-        warnings.append(f"the checkpoint index holds {spec.checkpoint_bytes / GiB:.2f} GiB but "
-                        f"config.json counts {B.weights_bytes(spec, False) / GiB:.2f} GiB; "
-                        "weights are sized from the index (the ground truth)")
+        warnings.append(Reason(
+            "weights.checkpoint_index",
+            f"the checkpoint index holds {spec.checkpoint_bytes / GiB:.2f} GiB but "
+            f"config.json counts {B.weights_bytes(spec, False) / GiB:.2f} GiB; "
+            "weights are sized from the index (the ground truth)",
+            {"checkpoint_bytes": spec.checkpoint_bytes}))
     util = _utilization(hw, pins, traits, warnings, reasons)
     dtypes, fp8_why = _kv_choices(spec, hw, pins, version, reasons, warnings)
     chunked = not (hw.is_cpu and spec.attention.startswith("mla")) and traits.engine == "v1"
@@ -377,9 +329,11 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     plan.why_not = {id(j.cand): rank.lost_on(j, best, objective, target) for j in runner_ups}
     plan.drafts = {id(j.cand): j.knobs.draft for j in runner_ups}
     if pins.pin_kv_memory and not hw.is_cpu:
-        warnings.append("--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "
-                        "memory profiling; only the plan's margins for activations, graphs and "
-                        "non-torch memory protect the start-up")
+        warnings.append(Reason(
+            "kv_cache.pin_kv_memory",
+            "--pin-kv-memory: vLLM ignores gpu-memory-utilization and skips its "
+            "memory profiling; only the plan's margins for activations, graphs and "
+            "non-torch memory protect the start-up"))
     if best.fits:
         _kv_reason(goal, res, best, fp8_why, reasons, warnings)
         _batch_reasons(goal, res, best, reasons)
@@ -406,8 +360,8 @@ def _runner_ups(res: Any, best: Any, n: int = 5) -> list[Any]:
     return out[:n]
 
 
-def _kv_reason(goal: Any, res: Any, best: Any, fp8_why: str, reasons: list[str],
-               warnings: list[str]) -> None:
+def _kv_reason(goal: Any, res: Any, best: Any, fp8_why: str, reasons: list[Reason],
+               warnings: list[Reason]) -> None:
     """Why this KV dtype, against the best candidate with the other one."""
     if goal.pins.kv_cache_dtype or len(goal.dtypes) == 1:
         return
@@ -427,63 +381,88 @@ def _kv_reason(goal: Any, res: Any, best: Any, fp8_why: str, reasons: list[str],
         if mine_j is not None and other_j is not None:
             best, other = mine_j, other_j
             cond = "" if best.knobs.draft else " (both without MTP)"
-    accuracy = ("fp8 KV without calibrated scales (k/v scale 1.0) can cost accuracy; "
-                "check your evals or pin --kv-cache-dtype auto")
+    accuracy = Reason("kv_cache_dtype.fp8_accuracy",
+                      "fp8 KV without calibrated scales (k/v scale 1.0) can cost accuracy; "
+                      "check your evals or pin --kv-cache-dtype auto")
     o_name = "bf16" if mine == "fp8" else "fp8"
     if other is None or min(other.cand.max_model_len, best.cand.max_model_len) \
             < best.cand.max_model_len:
         held = (f"holds only {other.cand.max_model_len:,} tokens of context" if other
                 else "holds no whole request")
-        reasons.append(f"kv-cache-dtype {mine}: {o_name} KV {held} ({fp8_why})"
-                       if mine == "fp8" else f"kv-cache-dtype auto: fp8 KV {held}")
+        reasons.append(Reason(
+            "kv_cache_dtype.context",
+            f"kv-cache-dtype {mine}: {o_name} KV {held} ({fp8_why})"
+            if mine == "fp8" else f"kv-cache-dtype auto: fp8 KV {held}",
+            {"value": mine}))
         if mine == "fp8":
             warnings.append(accuracy)
         return
     a, b = best.perf, other.perf
     if a is None or b is None:
-        reasons.append(f"kv-cache-dtype {mine}: no speed figure to justify fp8 on this GPU")
+        reasons.append(Reason(
+            "kv_cache_dtype.no_speed_figure",
+            f"kv-cache-dtype {mine}: no speed figure to justify fp8 on this GPU",
+            {"value": mine}))
         return
     s_a, s_b = a.score(goal.objective, goal.hw.count), b.score(goal.objective, goal.hw.count)
     if mine == "fp8":
         gain = (s_a - s_b) / abs(s_b) if s_b else 0.0
-        reasons.append(f"kv-cache-dtype fp8: {rank.headline(a, goal.objective)} vs "
-                       f"{rank.headline(b, goal.objective)} with bf16 KV{cond} ({gain:+.0%}, "
-                       "over the "
-                       f"{FP8_MARGIN:.0%} margin for its accuracy risk)")
+        reasons.append(Reason(
+            "kv_cache_dtype.faster",
+            f"kv-cache-dtype fp8: {rank.headline(a, goal.objective)} vs "
+            f"{rank.headline(b, goal.objective)} with bf16 KV{cond} ({gain:+.0%}, "
+            "over the "
+            f"{FP8_MARGIN:.0%} margin for its accuracy risk)",
+            {"value": "fp8", "gain": round(gain, 4)}))
         warnings.append(accuracy)
     else:
         gain = (s_b - s_a) / abs(s_a) if s_a else 0.0
         mtp = f", MTP {other.knobs.draft}" if other.knobs.draft else ""
-        reasons.append(f"kv-cache-dtype auto: bf16 KV already holds the context; fp8 KV's best "
-                       f"({other.cand.label()}{mtp}){cond} would change "
-                       f"the objective's figure by {gain:+.0%} (under the {FP8_MARGIN:.0%} "
-                       "margin that would justify its accuracy risk)")
+        reasons.append(Reason(
+            "kv_cache_dtype.no_gain",
+            f"kv-cache-dtype auto: bf16 KV already holds the context; fp8 KV's best "
+            f"({other.cand.label()}{mtp}){cond} would change "
+            f"the objective's figure by {gain:+.0%} (under the {FP8_MARGIN:.0%} "
+            "margin that would justify its accuracy risk)",
+            {"value": "auto", "gain": round(gain, 4)}))
 
 
-def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
+def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[Reason]) -> None:
     """max-num-seqs and max-num-batched-tokens: what the search chose and against what."""
     k, c, a = best.knobs, best.cand, best.perf
     p = goal.pins
     if best.capped_from is not None and a is not None:
         over = _point_note(goal, best, best.capped_from)
-        reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: this engine's SLO knee; "
-                       f"beyond it requests queue (TTFT grows) instead of slowing every "
-                       f"running one; {best.capped_from:,} would let {over}")
+        reasons.append(Reason(
+            "max_num_seqs.knee",
+            f"max-num-seqs {c.max_num_seqs:,} per engine: this engine's SLO knee; "
+            f"beyond it requests queue (TTFT grows) instead of slowing every "
+            f"running one; {best.capped_from:,} would let {over}",
+            {"value": c.max_num_seqs, "uncapped": best.capped_from}))
     elif k.max_num_seqs is not None and p.max_num_seqs is None:
-        reasons.append(f"max-num-seqs {c.max_num_seqs:,} per engine: vLLM's default batch "
-                       "leaves too little KV memory for the context")
+        reasons.append(Reason(
+            "max_num_seqs.kv_limited",
+            f"max-num-seqs {c.max_num_seqs:,} per engine: vLLM's default batch "
+            "leaves too little KV memory for the context",
+            {"value": c.max_num_seqs}))
     if p.max_num_batched_tokens is None and k.chunked and not goal.hw.is_cpu:
         default = batch_defaults(goal.hw, k.layout.tp * k.layout.pp, goal.traits.version)[0]
         tokens = c.max_num_batched_tokens
         if tokens == default:
-            reasons.append(f"max-num-batched-tokens {default:,}: vLLM's default, the best of "
-                           f"the chunk sizes tried ({', '.join(map(str, search.CHUNK_CHOICES))})")
+            reasons.append(Reason(
+                "max_num_batched_tokens.default",
+                f"max-num-batched-tokens {default:,}: vLLM's default, the best of "
+                f"the chunk sizes tried ({', '.join(map(str, search.CHUNK_CHOICES))})",
+                {"value": default}))
             return
         twin = search.memory(goal, dataclasses.replace(
             k, max_num_batched_tokens=max(default, k.max_num_seqs or 0) or None))
         if not search.serves(goal, twin):
-            reasons.append(f"max-num-batched-tokens {tokens:,}: at vLLM's default {default:,} "
-                           f"this candidate does not fit ({twin.cand.problem or 'no memory'})")
+            reasons.append(Reason(
+                "max_num_batched_tokens.default_misfits",
+                f"max-num-batched-tokens {tokens:,}: at vLLM's default {default:,} "
+                f"this candidate does not fit ({twin.cand.problem or 'no memory'})",
+                {"value": tokens, "default": default}))
             return
         search.speed(goal, twin, full=False)
         if a is None or twin.perf is None:
@@ -491,8 +470,11 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[str]) -> None:
         ours, theirs = rank.headline(a, goal.objective), rank.headline(twin.perf, goal.objective)
         more = (f", {c.tokens - twin.cand.tokens:+,} KV tokens per engine"
                 if c.tokens != twin.cand.tokens else "")
-        reasons.append(f"max-num-batched-tokens {tokens:,}: {ours} vs {theirs} at vLLM's "
-                       f"default {default:,} (same other flags{more})")
+        reasons.append(Reason(
+            "max_num_batched_tokens.faster",
+            f"max-num-batched-tokens {tokens:,}: {ours} vs {theirs} at vLLM's "
+            f"default {default:,} (same other flags{more})",
+            {"value": tokens, "default": default}))
 
 
 def _point_note(goal: Any, j: Any, seqs: int) -> str:
@@ -510,17 +492,29 @@ def _explain_speed(plan: Plan) -> None:
     a, w = plan.performance, plan.workload
     r = plan.reasons
     if w is not None:
-        r.insert(0, f"workload: {w.describe()}; objective {plan.objective}; SLO "
-                 f"{plan.slo.describe() if plan.slo else '-'}")
-    r.insert(1, f"searched {plan.judged:,} candidates (layout x KV dtype x batch limits x "
-             f"drafts) for memory, timed the {plan.timed:,} that fit and hold the context")
+        r.insert(0, Reason(
+            "workload",
+            f"workload: {w.describe()}; objective {plan.objective}; SLO "
+            f"{plan.slo.describe() if plan.slo else '-'}",
+            {"input_len": w.input_len, "output_len": w.output_len, "objective": plan.objective}))
+    r.insert(1, Reason(
+        "search.counts",
+        f"searched {plan.judged:,} candidates (layout x KV dtype x batch limits x "
+        f"drafts) for memory, timed the {plan.timed:,} that fit and hold the context",
+        {"judged": plan.judged, "timed": plan.timed}))
     if a is None:
         if plan.fits:
-            r.append("no performance prediction: the GPU catalog has no bandwidth/FLOPS for "
-                     f"{plan.hardware.kind.name}; layouts ranked by memory alone")
+            r.append(Reason(
+                "performance.none",
+                "no performance prediction: the GPU catalog has no bandwidth/FLOPS for "
+                f"{plan.hardware.kind.name}; layouts ranked by memory alone",
+                {"gpu": plan.hardware.kind.name}))
         return
-    r.insert(2, f"predicted ({a.source}): {rank.figure(a, plan.objective)}; binding: {a.binding}")
-    r.extend(a.notes)
+    r.insert(2, Reason(
+        "performance.predicted",
+        f"predicted ({a.source}): {rank.figure(a, plan.objective)}; binding: {a.binding}",
+        {"source": a.source, "binding": a.binding}))
+    r.extend(Reason("performance.note", n) for n in a.notes)
 
 
 
@@ -528,7 +522,7 @@ def _apply_measured(plan: Plan) -> None:
     """Use the KV memory vLLM measured on an earlier boot of exactly these decisions."""
     from . import measured
 
-    row = measured.lookup(measured.plan_key(plan.to_dict()))
+    row = measured.lookup(measured.plan_key(plan.deployment()))
     if row is None:
         return
     c = plan.chosen
@@ -543,82 +537,66 @@ def _apply_measured(plan: Plan) -> None:
         c.fits = False
         c.problem = (f"vLLM measured {c.kv_memory / GiB:.2f} GiB of KV cache at its last start "
                      f"of this plan: fewer than {c.max_model_len:,} tokens")
-    plan.reasons.append(f"KV cache {c.kv_memory / GiB:.2f} GiB: measured by vLLM at an earlier "
-                        f"start of this exact plan ({row.get('source', 'startup plan')}, "
-                        f"{row.get('recorded_at', '?')}); the budget model alone predicted "
-                        f"{predicted / GiB:.2f} GiB")
+    plan.reasons.append(Reason(
+        "kv_cache.measured",
+        f"KV cache {c.kv_memory / GiB:.2f} GiB: measured by vLLM at an earlier "
+        f"start of this exact plan ({row.get('source', 'startup plan')}, "
+        f"{row.get('recorded_at', '?')}); the budget model alone predicted "
+        f"{predicted / GiB:.2f} GiB",
+        {"memory_bytes": c.kv_memory, "predicted_bytes": predicted}))
 
 
 def _explain(plan: Plan, pins: Pins) -> None:
     c, spec = plan.chosen, plan.model
     r = plan.reasons
     if c.fits:
-        r.insert(0, f"layout {c.label()}: {c.summary().split(': ', 1)[1]}"
-                 + (" (pinned)" if pins.tp or pins.pp or pins.dp else ""))
+        r.insert(0, Reason(
+            "layout",
+            f"layout {c.label()}: {c.summary().split(': ', 1)[1]}"
+            + (" (pinned)" if pins.tp or pins.pp or pins.dp else ""),
+            {"label": c.label(), "pinned": bool(pins.tp or pins.pp or pins.dp)}))
         if plan.performance is None:  # with a performance model the runner-ups are listed there
             for other in plan.alternatives[:3]:
-                r.append(f"not {other.summary()}")
+                r.append(Reason("layout.not", f"not {other.summary()}", {"label": other.label()}))
     if pins.max_model_len:
-        r.append(f"max-model-len {c.max_model_len:,}: pinned by you")
+        r.append(Reason(
+            "max_model_len.pinned",
+            f"max-model-len {c.max_model_len:,}: pinned by you",
+            {"value": c.max_model_len, "pinned": True}))
     elif c.fits and c.max_model_len == spec.max_context:
-        r.append(f"max-model-len {c.max_model_len:,}: the model's full context fits")
+        r.append(Reason(
+            "max_model_len.full",
+            f"max-model-len {c.max_model_len:,}: the model's full context fits",
+            {"value": c.max_model_len}))
     elif c.fits:
-        r.append(f"max-model-len {c.max_model_len:,}: the largest that fits (full context "
-                 f"{spec.max_context:,} does not)")
+        r.append(Reason(
+            "max_model_len.largest",
+            f"max-model-len {c.max_model_len:,}: the largest that fits (full context "
+            f"{spec.max_context:,} does not)",
+            {"value": c.max_model_len, "full": spec.max_context}))
     if plan.chunked_prefill:
-        r.append(f"chunked prefill on (max-num-batched-tokens {c.max_num_batched_tokens:,}, "
-                 f"max-num-seqs {c.max_num_seqs:,}): prompts ride in decode steps instead of "
-                 "stalling them")
+        r.append(Reason(
+            "chunked_prefill.on",
+            f"chunked prefill on (max-num-batched-tokens {c.max_num_batched_tokens:,}, "
+            f"max-num-seqs {c.max_num_seqs:,}): prompts ride in decode steps instead of "
+            "stalling them",
+            {"max_num_batched_tokens": c.max_num_batched_tokens, "max_num_seqs": c.max_num_seqs}))
     else:
-        r.append(f"chunked prefill off: vLLM turns it off for MLA on the {plan.hardware.kind.name}"
-                 " platform")
+        r.append(Reason(
+            "chunked_prefill.off",
+            f"chunked prefill off: vLLM turns it off for MLA on the {plan.hardware.kind.name}"
+            " platform"))
     if plan.kv_pinned:
-        r.append(f"KV cache pinned to {c.kv_memory:,} bytes with --kv-cache-memory-bytes "
-                 f"({c.blocks:,} blocks of {c.block_size} tokens)")
+        r.append(Reason(
+            "kv_cache.pinned",
+            f"KV cache pinned to {c.kv_memory:,} bytes with --kv-cache-memory-bytes "
+            f"({c.blocks:,} blocks of {c.block_size} tokens)",
+            {"memory_bytes": c.kv_memory, "blocks": c.blocks, "block_size": c.block_size}))
     if c.layout.tp > 1 and spec.attention.startswith("mla"):
-        r.append("MLA keeps one latent per token on every TP rank: the KV cache is not split "
-                 "by TP")
-
-
-def inputs_from_plan(d: dict[str, Any]) -> tuple[ModelSpec, Hardware, Pins]:
-    """What an emitted plan was made from: its model, the hardware as the plan saw it (free
-    memory included) and every decision pinned, so `exec`, the doctor and calibration re-plan
-    exactly that plan."""
-    from dataclasses import replace
-
-    from ..inputs.hardware import parse_gpus
-    from ..inputs.model import load_model
-    from .plan_check import check_plan
-
-    check_plan(d)  # one line naming a missing or mistyped field, not a KeyError
-    m = d["model"]
-    # the commit the plan was made from: exec re-plans that config, offline from the cache
-    spec = load_model(m.get("path") or m["hf_id"],
-                      None if m.get("path") else (m.get("commit") or m.get("revision")))
-    if m.get("commit") and not m.get("path"):  # vLLM still gets the revision the user gave
-        spec = replace(spec, revision=m.get("revision"))
-    g = d["gpus"]
-    hw = parse_gpus("cpu" if g["platform"] == "cpu" else
-                    f"{g['nodes']}x{g['gpus_per_node']}x{g['name']}")
-    if g["platform"] != "cpu":
-        hw = replace(hw, total_bytes=g["total_bytes"], free_bytes=g["free_bytes"],
-                     source=g.get("source", "plan"))
-    p, kv = d["parallel"], d["kv_cache"]
-    pins = Pins(tp=p["tp"], pp=p["pp"], dp=p["dp"], expert_parallel=p["expert_parallel"],
-                max_model_len=d["max_model_len"], kv_cache_dtype=kv["dtype"],
-                gpu_memory_utilization=None if kv.get("pinned") else d["gpu_memory_utilization"],
-                kv_cache_memory_bytes=kv["memory_bytes"] if kv.get("pinned") else None,
-                max_num_seqs=d["max_num_seqs"], max_num_batched_tokens=d["max_num_batched_tokens"],
-                enforce_eager=bool(d.get("enforce_eager")), vllm_version=d.get("vllm_version"),
-                **serving_pins(d))
-    return spec, hw, pins
-
-
-def serving_pins(d: dict[str, Any]) -> dict[str, Any]:
-    """The serving decisions (MTP, parsers, all-to-all backend) of an emitted plan as pins."""
-    from .serving import pins_from_plan
-
-    return pins_from_plan(d)
+        r.append(Reason(
+            "kv_cache.mla_per_rank",
+            "MLA keeps one latent per token on every TP rank: the KV cache is not split "
+            "by TP"))
 
 
 # ----------------------------------------------------------------------------- suggestions
@@ -639,9 +617,9 @@ def _brief(plan: Plan) -> str:
             f"{c.concurrency:.1f} concurrent")
 
 
-def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
+def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[Reason]:
     """Ranked alternatives that do fit, each with its own numbers."""
-    out: list[str] = []
+    out: list[Reason] = []
     free_pins = dataclasses.replace(pins, tp=None, pp=None, dp=None)
     if not hw.is_cpu:
         per_node = max(hw.gpus_per_node, 8) if hw.gpus_per_node < 8 else hw.gpus_per_node
@@ -652,23 +630,29 @@ def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
             plan = _try(spec, bigger, free_pins)
             if plan:
                 layout = f"{nodes}x{gpn}x{hw.kind.name}" if nodes > 1 else f"{gpn}x{hw.kind.name}"
-                out.append(f"more GPUs: {layout} fits ({_brief(plan)})"
-                           + (" across nodes" if nodes > 1 else ""))
+                out.append(Reason("suggest.more_gpus", f"more GPUs: {layout} fits ({_brief(plan)})"
+                           + (" across nodes" if nodes > 1 else ""), {"gpus": layout}))
                 break
     if pins.max_model_len:
         relaxed = make_plan(spec, hw, dataclasses.replace(pins, max_model_len=None),
                             suggest=False)
         if relaxed.fits:
-            out.append(f"shorter context: --max-model-len {relaxed.chosen.max_model_len:,} fits "
-                       f"({_brief(relaxed)})")
+            out.append(Reason(
+                "suggest.shorter_context",
+                f"shorter context: --max-model-len {relaxed.chosen.max_model_len:,} fits "
+                f"({_brief(relaxed)})",
+                {"max_model_len": relaxed.chosen.max_model_len}))
     if spec.quant.method in ("none", "fp8_block", "fp8_channel"):
         quant = Quant("int4_group", 4, 128)
         q_spec = dataclasses.replace(spec, quant=quant, name=f"{spec.name}-awq",
                                      checkpoint_bytes=None)
         plan = _try(q_spec, hw, free_pins)
         if plan:
-            out.append(f"a quantized variant: an AWQ/GPTQ int4 checkpoint of {spec.name} "
-                       f"({B.weights_bytes(q_spec) / GiB:.0f} GiB) fits ({_brief(plan)})")
+            out.append(Reason(
+                "suggest.quantized",
+                f"a quantized variant: an AWQ/GPTQ int4 checkpoint of {spec.name} "
+                f"({B.weights_bytes(q_spec) / GiB:.0f} GiB) fits ({_brief(plan)})",
+                {"weights_bytes": B.weights_bytes(q_spec)}))
     if spec.architecture.startswith("deepseek"):
         from ..inputs.model import list_profiles
 
@@ -677,10 +661,15 @@ def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[str]:
         for d in distills:
             plan = _try(d, hw, Pins(vllm_version=pins.vllm_version))
             if plan:
-                out.append(f"an R1 distill: {d.name} ({B.param_count(d) / 1e9:.1f}B) fits "
-                           f"({_brief(plan)})")
+                out.append(Reason(
+                    "suggest.distill",
+                    f"an R1 distill: {d.name} ({B.param_count(d) / 1e9:.1f}B) fits "
+                    f"({_brief(plan)})",
+                    {"model": d.name}))
                 break
     if not out:
-        out.append("nothing close fits this hardware; try a larger GPU class")
+        out.append(Reason(
+            "suggest.none",
+            "nothing close fits this hardware; try a larger GPU class"))
     return out
 

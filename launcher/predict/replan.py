@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..inputs import vllm_flags
 from ..inputs.vllm_failures import Failure
 from .budget import GiB
 from .planner import Pins, Plan
@@ -17,7 +18,12 @@ from .planner import Pins, Plan
 
 def merge_args(planned: list[str], extra: list[str]) -> tuple[list[str], list[str]]:
     """The plan's vLLM args with the user's extra args on top: a user's flag replaces the plan's
-    flag of the same name. Returns (args, one note per overridden flag)."""
+    flag of the same name, whichever spelling vLLM accepts each side uses (the flag table's
+    aliases, `--max_model_len`). Returns (args, one note per overridden flag)."""
+    def key(name: str) -> str:
+        spec = vllm_flags.spec_of(name)
+        return spec.dest if spec is not None else vllm_flags.canonical(name)
+
     def flags(args: list[str]) -> list[tuple[str, list[str]]]:
         out: list[tuple[str, list[str]]] = []
         for a in args:
@@ -29,11 +35,11 @@ def merge_args(planned: list[str], extra: list[str]) -> tuple[list[str], list[st
         return out
 
     mine = flags(extra)
-    names = {n for n, _ in mine}
+    names = {key(n) for n, _ in mine}
     notes, merged = [], []
     for name, values in flags(planned):
-        if name in names:
-            user = next(v for n, v in mine if n == name)
+        if key(name) in names:
+            user = next(v for n, v in mine if key(n) == key(name))
             notes.append(f"{name} {' '.join(user)} (yours) replaces the plan's "
                          f"{' '.join(values) or 'on'}")
             continue

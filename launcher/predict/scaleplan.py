@@ -14,7 +14,7 @@ from . import perf, startup, startup_measured
 from .autoscaling import Autoscaling, Knee, ScalingAsk, derive
 
 
-def plan_startup(plan: Any, d: dict[str, Any], load_path: str | None) -> startup.Startup:
+def plan_startup(plan: Any, d: Any, load_path: str | None) -> startup.Startup:
     """The measured start-up of this setup if one was recorded, else the model's."""
     m = plan.model
     path = load_path or startup.load_path_for(m.source, m.path)
@@ -56,6 +56,5 @@ def attach(plan: Any, ask: ScalingAsk | None = None, load_path: str | None = Non
     """Set `plan.startup` and `plan.autoscaling` (nothing for a plan that does not fit)."""
     if not plan.fits:
         return
-    d = plan.to_dict()
-    plan.startup = plan_startup(plan, d, load_path)
+    plan.startup = plan_startup(plan, plan.deployment(), load_path)
     plan.autoscaling = plan_autoscaling(plan, plan.startup, ask)

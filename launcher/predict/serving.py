@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..deployment.plan import Reason
 from ..errors import InputError
 from ..inputs.hardware import GiB
 from . import ep_backend, perf, rank, search, serving_flags, speculative
@@ -76,8 +77,9 @@ def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoice
                                      getattr(pins, "reasoning_parser", None),
                                      getattr(pins, "tool_call_parser", None),
                                      getattr(pins, "chat_template", None))
-    plan.reasons.extend(s.parsers.reasons)
-    plan.warnings.extend(s.parsers.warnings)
+    pinned = s.parsers.source == "pinned"
+    plan.reasons.extend(Reason("parsers", r, {"pinned": pinned}) for r in s.parsers.reasons)
+    plan.warnings.extend(Reason("parsers.missing", w) for w in s.parsers.warnings)
     if best.fits:
         s.ep = dataclasses.replace(best.ep)
         if s.ep.applies and best.ep_note:
@@ -89,10 +91,14 @@ def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoice
             s.ep.reason += f" ({s.ep.buffer_bytes / GiB:.2f} GiB of buffers per GPU, taken " \
                            "from the KV cache)"
         if s.ep.reason:
-            plan.reasons.append(s.ep.reason)
+            plan.reasons.append(Reason("all2all_backend", s.ep.reason,
+                                       {"backend": s.ep.backend, "pinned": s.ep.pinned,
+                                        "buffer_bytes": s.ep.buffer_bytes}))
     s.mtp = decision(plan, goal, res, best, mtp)
     if s.mtp.reason:
-        plan.reasons.append(s.mtp.reason)
+        plan.reasons.append(Reason("mtp.on" if s.mtp.enabled else "mtp.off", s.mtp.reason,
+                                   {"num_speculative_tokens": s.mtp.k if s.mtp.enabled else 0,
+                                    "pinned": s.mtp.pinned}))
     return s
 
 
@@ -104,7 +110,8 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
     if mtp.unsupported:
         d.reason = f"MTP off: {mtp.unsupported}"
         if mtp.pinned_on:
-            plan.warnings.append(f"MTP was asked for but is not possible: {mtp.unsupported}")
+            plan.warnings.append(Reason("mtp.unsupported", "MTP was asked for but is not "
+                                        f"possible: {mtp.unsupported}"))
         return d
     if mtp.pinned_off:
         d.reason = "MTP off: pinned by you (--no-mtp)"
@@ -113,7 +120,7 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
         d.reason = ("MTP off: no candidate fits" if not mtp.pinned_on else
                     "MTP off: no candidate with the draft fits (pinned on by you)")
         if mtp.pinned_on:
-            plan.warnings.append(d.reason)
+            plan.warnings.append(Reason("mtp.no_fit", d.reason))
         return d
     for k in mtp.drafts:
         j = max((x for x in res.judged if x.knobs.draft == k), key=lambda x: x.value,
@@ -189,11 +196,3 @@ def _no_draft_twin(goal: Any, j: Any) -> Any:
     """The chosen candidate's exact flags without the draft, judged (for equal-load figures)."""
     twin = search.memory(goal, dataclasses.replace(j.knobs, draft=0))
     return search.speed(goal, twin, full=False) if twin.fits else None
-
-
-def pins_from_plan(d: dict[str, Any]) -> dict[str, Any]:
-    """Every serving decision of an emitted plan as pins (`vlaunch exec`, tune's trials)."""
-    out: dict[str, Any] = {}
-    for mod in (speculative, serving_flags, ep_backend):
-        out.update(mod.from_plan(d))
-    return out

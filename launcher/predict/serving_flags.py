@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
+from ..inputs import vllm_flags
 from ..inputs.model import ModelSpec
 from ..paths import profiles_dir, read_yaml
 from .capabilities import parse_version
@@ -68,20 +69,15 @@ class ServingFlags:
     source: str = "none"  # profile | pinned | none
 
     def vllm_args(self) -> list[str]:
-        args: list[str] = []
-        if self.reasoning_parser:
-            if self.enable_reasoning_flag:
-                args.append("--enable-reasoning")
-            args += ["--reasoning-parser", self.reasoning_parser]
-        if self.tool_call_parser:
-            args += ["--tool-call-parser", self.tool_call_parser]
-            if self.auto_tool_choice:
-                args.append("--enable-auto-tool-choice")
-        if self.chat_template:
-            args += ["--chat-template", self.chat_template]
-        if self.tokenizer_mode:
-            args += ["--tokenizer-mode", self.tokenizer_mode]
-        return args
+        reasoning, tools = bool(self.reasoning_parser), bool(self.tool_call_parser)
+        return vllm_flags.argv((
+            ("enable_reasoning", reasoning and self.enable_reasoning_flag),
+            ("reasoning_parser", self.reasoning_parser or None),
+            ("tool_call_parser", self.tool_call_parser or None),
+            ("enable_auto_tool_choice", tools and self.auto_tool_choice),
+            ("chat_template", self.chat_template or None),
+            ("tokenizer_mode", self.tokenizer_mode or None),
+        ))
 
     def to_dict(self) -> dict[str, Any]:
         return {"reasoning_parser": self.reasoning_parser,
@@ -116,9 +112,9 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
     A pinned value wins over the profile (`none` drops it); anything the version lacks is left
     out with the reason, so a plan never passes vLLM a flag value it rejects at start-up.
     """
-    for flag, value in (("--reasoning-parser", reasoning_parser),
-                        ("--tool-call-parser", tool_call_parser),
-                        ("--chat-template", chat_template)):
+    for flag, value in ((vllm_flags.flag("reasoning_parser"), reasoning_parser),
+                        (vllm_flags.flag("tool_call_parser"), tool_call_parser),
+                        (vllm_flags.flag("chat_template"), chat_template)):
         if value is not None and not value.strip():
             raise InputError(f"{flag} needs a value (a name, or '{NONE}' to leave it out)")
     row = profile_row(spec) or {}
@@ -176,13 +172,3 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
         else:
             out.warnings.append(f"no --tokenizer-mode {mode}: {lack}")
     return out
-
-
-def from_plan(d: dict[str, Any]) -> dict[str, str | None]:
-    """The pins that reproduce an emitted plan's parser decisions (`vlaunch exec`)."""
-    s = (d.get("serving") or {}).get("parsers") or {}
-    if not s:
-        return {}
-    return {"reasoning_parser": s.get("reasoning_parser") or NONE,
-            "tool_call_parser": s.get("tool_call_parser") or NONE,
-            "chat_template": s.get("chat_template")}

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..inputs import vllm_flags
 from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
@@ -52,6 +53,9 @@ from . import budget as B
 from .mtp import Acceptance, draft_shape, speculative_shape  # noqa: F401 - re-exported
 from .rebudget import rebudget
 from .serving_flags import at_least, table
+
+ACCEPTANCE_PINNED = "your --mtp-acceptance"
+"""The acceptance's source when the user gave it (a re-plan pins it back; a default is not)."""
 
 DRAFT_BUFFER_COPIES = 2
 """Persistent draft buffers of max_num_batched_tokens x hidden in the model dtype: hidden_states
@@ -74,7 +78,7 @@ def acceptance(pinned: float | None = None, model: str | None = None) -> Accepta
         if not 0 < pinned < 1:
             raise InputError(f"--mtp-acceptance must be a probability between 0 and 1, "
                              f"got {pinned}")
-        return Acceptance(pinned, min(later, pinned), "your --mtp-acceptance")
+        return Acceptance(pinned, min(later, pinned), ACCEPTANCE_PINNED)
     seen = measured_for(model) if model else None
     if seen is not None:
         return Acceptance(seen["first"], seen.get("later", min(later, seen["first"])),
@@ -290,7 +294,7 @@ class Decision:
                           separators=(",", ":"))
 
     def vllm_args(self) -> list[str]:
-        return ["--speculative-config", self.config_json()] if self.enabled else []
+        return vllm_flags.argv({"speculative_config": self.config_json() if self.enabled else None})
 
     def to_dict(self) -> dict[str, Any]:
         a = self.acceptance
@@ -309,21 +313,6 @@ def describe_cost(c: Cost) -> str:
     return (f"{c.weights_bytes / GiB:.2f} GiB of MTP weights, +{c.kv_bytes_per_token:,} B/token "
             f"of KV, {(c.activation_bytes + c.cudagraph_bytes) / MiB:,.0f} MiB of draft buffers "
             "and graphs per GPU")
-
-
-def from_plan(d: dict[str, Any]) -> dict[str, Any]:
-    """Pins that reproduce an emitted plan's MTP decision (`vlaunch exec`, tune)."""
-    s = (d.get("serving") or {}).get("speculative") or {}
-    if not s:
-        return {}
-    if not s.get("enabled"):
-        return {"speculative": False}
-    out: dict[str, Any] = {"speculative": True,
-                           "num_speculative_tokens": int(s["num_speculative_tokens"])}
-    acc = s.get("acceptance") or {}
-    if acc.get("source") == "your --mtp-acceptance":
-        out["mtp_acceptance"] = float(acc["first"])
-    return out
 
 
 def measured_acceptance(raw: dict[str, Any]) -> dict[str, float] | None:

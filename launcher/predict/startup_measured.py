@@ -16,20 +16,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..deployment.plan import Deployment
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
 from .startup import Startup, measured
 
-_DECISIONS = ("max_num_seqs", "enforce_eager", "vllm_version")
 
-
-def key(d: dict[str, Any], load_path: str) -> str:
-    """A digest of what a start-up time depends on, from a plan dict: the model, the GPUs, the
+def key(d: Deployment, load_path: str) -> str:
+    """A digest of what a start-up time depends on, from a plan: the model, the GPUs, the
     layout, the graphs captured, vLLM's version and where the weights come from."""
-    m, g = d["model"], d["gpus"]
-    factors = {"model": m.get("path") or m["hf_id"], "quantization": m.get("quantization"),
-               "gpu": [g["name"], g["count"], g["nodes"]],
-               "parallel": {k: d["parallel"][k] for k in ("tp", "pp", "dp", "expert_parallel")},
-               "load_path": load_path, **{k: d.get(k) for k in _DECISIONS}}
+    m, g, e = d.model, d.hardware, d.engine
+    p = e.parallel
+    factors = {"model": m.path or m.hf_id, "quantization": m.quantization,
+               "gpu": [g.name, g.count, g.nodes],
+               "parallel": {"tp": p.tp, "pp": p.pp, "dp": p.dp,
+                            "expert_parallel": p.expert_parallel},
+               "load_path": load_path, "max_num_seqs": e.max_num_seqs,
+               "enforce_eager": e.enforce_eager, "vllm_version": d.vllm_version}
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -64,7 +66,7 @@ def phase_durations(marks: list[tuple[str, float]], ready_at: float, started_at:
     return out
 
 
-def record(d: dict[str, Any], load_path: str, seconds: float, phases: dict[str, float],
+def record(d: Deployment, load_path: str, seconds: float, phases: dict[str, float],
            source: str) -> Path | None:
     """Keep a measured start-up of the plan `d` for later plans (atomic, under a lock)."""
     if not (seconds > 0 and math.isfinite(seconds)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from ..inputs import vllm_flags as F
 from .vllmargs import arg_value
 
 DEFAULT_STOP_TIMEOUT_S = 120
@@ -19,9 +20,8 @@ requests for most of it (`--shutdown-timeout`, see `drain_seconds`); two minutes
 answer (thousands of tokens at tens of ms each) finish. A Kubernetes pod's
 terminationGracePeriodSeconds must be at least this plus a few seconds."""
 
-SHUTDOWN_TIMEOUT_SINCE = (0, 18, 0)
-"""`vllm serve --shutdown-timeout` (drain in-flight requests on SIGTERM; 0, its default,
-aborts them) exists since vLLM 0.18.0 (vllm-project/vllm#34730; present in 0.32.0)."""
+# `vllm serve --shutdown-timeout` (drain in-flight requests on SIGTERM; 0, its default, aborts
+# them; vllm-project/vllm#34730): its first release is the flag table's (vllm_flags.py).
 
 
 def _version_tuple(version: str | None) -> tuple[int, ...]:
@@ -38,8 +38,8 @@ def with_drain(args: Sequence[str], vllm_version: str | None, stop_timeout: floa
     """Add `--shutdown-timeout` so SIGTERM drains instead of aborting, where vLLM has it and
     the user did not set it."""
     out = list(args)
-    if arg_value(out, "--shutdown-timeout") is not None:
+    if arg_value(out, "shutdown_timeout") is not None:
         return out
-    if _version_tuple(vllm_version) >= SHUTDOWN_TIMEOUT_SINCE:
-        out += ["--shutdown-timeout", str(drain_seconds(stop_timeout))]
+    if _version_tuple(vllm_version) and F.available("shutdown_timeout", str(vllm_version)):
+        out += [F.flag("shutdown_timeout"), str(drain_seconds(stop_timeout))]
     return out

@@ -3,7 +3,8 @@
 In Kubernetes the planner runs as an init container and vLLM in the main container; the only
 thing they share is a volume. So the plan goes there as three files:
 
-- `plan.json`: the whole plan (`Plan.to_dict()`), what `vlaunch exec` reads back;
+- `plan.json`: the whole plan (the codec's dump of its Deployment), what `vlaunch exec`
+  reads back (`load_plan`, the codec's load);
 - `vllm-args`: vLLM's arguments, one per line, for a shell entrypoint or a human;
 - `vllm.env`: the environment the plan asks for, as `KEY='value'` lines a shell can source;
 - `scaledobject.yaml`: a KEDA ScaledObject per pool, from the plan's `autoscaling` (when the
@@ -24,6 +25,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..deployment.argv import engine_argv
+from ..deployment.codec import dump, load
+from ..deployment.plan import Autoscaling, Deployment
 from ..errors import InputError
 from ..paths import atomic_write
 from ..predict.startup import NETWORK_VOLUME_BYTES_PER_S
@@ -45,51 +49,45 @@ _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 STARTUP_MARGIN_S = 300
 
 
-def _args_text(plan: dict) -> str:
-    args = plan.get("vllm_args")
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise InputError("plan has no `vllm_args` list of strings; emit a plan from `vlaunch plan`")
+def _args_text(args: list[str]) -> str:
     for a in args:
         if "\n" in a or "\r" in a:
             raise InputError(f"vLLM argument {a!r} holds a line break; one argument per line")
     return "".join(f"{a}\n" for a in args)
 
 
-def _env_text(plan: dict) -> str:
-    env = plan.get("env") or {}
-    if not isinstance(env, dict):
-        raise InputError("plan `env` must be a map of NAME to value")
+def _env_text(env: Mapping[str, str]) -> str:
     lines = []
     for key in sorted(env):
-        if not isinstance(key, str) or not _ENV_KEY.match(key):
+        if not _ENV_KEY.match(key):
             raise InputError(f"environment name {key!r} is not valid; use letters, digits, _")
         lines.append(f"{key}={shlex.quote(str(env[key]))}\n")
     return "".join(lines)
 
 
-def emit_plan(plan: dict, out_dir: str | os.PathLike[str]) -> list[Path]:
+def emit_plan(dep: Deployment, out_dir: str | os.PathLike[str]) -> list[Path]:
     """Write the plan's three files into `out_dir`; return their paths (plan.json last).
 
     Everything is rendered before anything is written, so a plan that cannot be expressed
     (a bad env name, an argument with a line break) leaves the folder untouched.
     """
-    if not isinstance(plan, dict):
-        raise InputError("a plan is a JSON object (Plan.to_dict())")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"--emit {out}: not a folder; give a folder for the plan files")
     rendered = [
-        (ARGS_FILE, _args_text(plan)),
-        (ENV_FILE, _env_text(plan)),
-        *([(SCALEDOBJECT_FILE, scaled_objects_text(plan))] if plan.get("autoscaling") else []),
-        (PLAN_FILE, json.dumps(plan, indent=2, sort_keys=True) + "\n"),
+        (ARGS_FILE, _args_text(engine_argv(dep.engine) if dep.fits else [])),
+        (ENV_FILE, _env_text(dep.pool.env)),
+        *([(SCALEDOBJECT_FILE, scaled_objects_text(dep))]
+          if any(p.autoscaling for p in dep.pools) else []),
+        (PLAN_FILE, json.dumps(dump(dep), indent=2, sort_keys=True) + "\n"),
     ]
     out.mkdir(parents=True, exist_ok=True)
     return [atomic_write(out / name, text) for name, text in rendered]
 
 
-def load_plan(path: str | os.PathLike[str]) -> dict:
-    """Read a plan written by `emit_plan`: a plan.json, or the folder that holds one."""
+def load_plan(path: str | os.PathLike[str]) -> Deployment:
+    """Read a plan written by `emit_plan` (a plan.json, or the folder that holds one) as its
+    Deployment; one line (an InputError) when it cannot be read or is not a plan."""
     p = Path(path)
     if p.is_dir():
         p = p / PLAN_FILE
@@ -102,12 +100,13 @@ def load_plan(path: str | os.PathLike[str]) -> dict:
     except OSError as e:
         raise InputError(f"cannot read plan {p}: {e.strerror}") from None
     try:
-        plan = json.loads(text)
+        raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise InputError(f"plan {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(plan, dict) or not isinstance(plan.get("vllm_args"), list):
-        raise InputError(f"plan {p} is not a vlaunch plan: expected an object with `vllm_args`")
-    return plan
+    try:
+        return load(raw)
+    except InputError as e:
+        raise InputError(f"plan {p}: {e}") from None
 
 
 STARTUP_SECONDS_BASE = 300
@@ -116,20 +115,17 @@ STARTUP_BYTES_PER_SECOND = NETWORK_VOLUME_BYTES_PER_S  # predict/startup.py: one
 DeepSeek-V3 FP8 load is given about an hour. A hang past it is a failure, not a wait."""
 
 
-def startup_deadline_s(plan: Mapping[str, Any]) -> float:
+def startup_deadline_s(plan: Deployment) -> float:
     """Seconds one start-up attempt of `plan` may take before `serve`/`exec` call it a hang.
 
     `serve`'s own rule (a base plus the weights read at a slow volume's speed), in one place for
     the others that must agree with it: the exporter counts a silent engine as starting for
     this long, and the manifests' startupProbe allows every attempt this long.
     """
-    model = plan.get("model") if isinstance(plan, Mapping) else None
-    weights = model.get("weights_bytes") if isinstance(model, Mapping) else None
-    weights = weights if isinstance(weights, (int, float)) and weights > 0 else 0
-    return STARTUP_SECONDS_BASE + weights / STARTUP_BYTES_PER_SECOND
+    return STARTUP_SECONDS_BASE + max(0, plan.model.weights_bytes) / STARTUP_BYTES_PER_SECOND
 
 
-def startup_budget_s(plan: Mapping[str, Any], attempts: int,
+def startup_budget_s(plan: Deployment, attempts: int,
                      margin_s: float = STARTUP_MARGIN_S) -> float:
     """The whole start-up a supervisor may need for `plan`: every attempt to its deadline
     (a failed attempt is re-planned and retried), plus a margin for vlaunch itself. A
@@ -185,39 +181,36 @@ def trigger_queries(selector: str, replica_label: str = "pod") -> dict[str, str]
             "kv_usage": f"sum(avg by ({replica_label}) ({KV_USAGE}{{{selector}}}))"}
 
 
-def scaled_object(plan: Mapping[str, Any], name: str = "vlaunch", kind: str = "Deployment",
+def scaled_object(a: Autoscaling | None, name: str = "vlaunch", kind: str = "Deployment",
                   namespace: str | None = None,
                   prometheus_url: str = PROMETHEUS_URL) -> dict[str, Any]:
-    """A keda.sh/v1alpha1 ScaledObject that scales the workload `kind`/`name` of the plan's
-    pool on vLLM's gauges, at the plan's `autoscaling` targets and windows."""
-    a = plan.get("autoscaling") if isinstance(plan, Mapping) else None
-    if not isinstance(a, Mapping):
+    """A keda.sh/v1alpha1 ScaledObject that scales the workload `kind`/`name` of one pool on
+    vLLM's gauges, at the pool's `autoscaling` targets and windows."""
+    if a is None:
         raise InputError("the plan has no `autoscaling` (it does not fit, or has no SLO knee); "
                          "re-plan with a reachable --slo")
     if kind not in POD_PATTERNS:
         raise InputError(f"cannot scale a {kind}; one of {', '.join(POD_PATTERNS)}")
+    name = name if a.role == "aggregated" else f"{name}-{a.role}"  # one workload per pool
     selector = f'pod=~"{POD_PATTERNS[kind].format(name=name)}"'
     if namespace:
         selector = f'namespace="{namespace}", {selector}'
     queries = trigger_queries(selector)
-    thresholds = {"running": a["target_running_per_replica"],
-                  "waiting": a["target_waiting_per_replica"],
-                  "kv_usage": a["kv_usage_threshold"]}
-    role = a.get("role", "aggregated")
-    meta: dict[str, Any] = {"name": name if role == "aggregated" else f"{name}-{role}",
+    thresholds = {"running": a.target_running_per_replica,
+                  "waiting": a.target_waiting_per_replica, "kv_usage": a.kv_usage_threshold}
+    meta: dict[str, Any] = {"name": name,
                             "labels": {"app.kubernetes.io/name": "vlaunch",
-                                       "app.kubernetes.io/component": role}}
+                                       "app.kubernetes.io/component": a.role}}
     if namespace:
         meta["namespace"] = namespace
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta,
         "spec": {
             "scaleTargetRef": {"apiVersion": TARGET_API[kind], "kind": kind, "name": name},
-            "minReplicaCount": int(a["min_replicas"]), "maxReplicaCount": int(a["max_replicas"]),
+            "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": int(a["scale_up_stabilization_s"])},
-                "scaleDown": {"stabilizationWindowSeconds":
-                              int(a["scale_down_stabilization_s"])}}}},
+                "scaleUp": {"stabilizationWindowSeconds": a.scale_up_stabilization_s},
+                "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_s}}}},
             "triggers": [{"type": "prometheus", "name": f"vllm-{key.replace('_', '-')}",
                           "metricType": "AverageValue",
                           "metadata": {"serverAddress": prometheus_url, "query": q,
@@ -227,11 +220,12 @@ def scaled_object(plan: Mapping[str, Any], name: str = "vlaunch", kind: str = "D
     }
 
 
-def scaled_objects_text(plan: Mapping[str, Any], **kw: Any) -> str:
-    """The ScaledObject of each pool of the plan, as YAML documents (one pool today)."""
+def scaled_objects_text(dep: Deployment, **kw: Any) -> str:
+    """The ScaledObject of each pool of the plan that has autoscaling, as YAML documents."""
     import yaml
 
     header = ("# GENERATED by vlaunch from the plan's autoscaling (launcher/run/emit.py): the\n"
               "# thresholds are the replica's capacity at the SLO knee, the windows its\n"
               "# start-up.\n")
-    return header + yaml.safe_dump(scaled_object(plan, **kw), sort_keys=False, width=100)
+    return header + yaml.safe_dump_all([scaled_object(p.autoscaling, **kw) for p in dep.pools
+                                        if p.autoscaling], sort_keys=False, width=100)

@@ -63,7 +63,7 @@ GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 def api_key(args: Sequence[str], env: Mapping[str, str | None]) -> str | None:
     """vLLM's key: `--api-key` (first one), else VLLM_API_KEY as vLLM will see it (`env` is
     what we add to, or remove from, our own environment)."""
-    key = arg_value(args, "--api-key")
+    key = arg_value(args, "api_key")
     if key is not None:
         return key
     if "VLLM_API_KEY" in env:
@@ -80,8 +80,8 @@ class Endpoint:
         self.port = port
         self.model_name = model_name
         self.http_timeout = http_timeout
-        self.scheme = "https" if arg_value(args, "--ssl-certfile") is not None else "http"
-        self.root_path = (arg_value(args, "--root-path") or "").rstrip("/")
+        self.scheme = "https" if arg_value(args, "ssl_certfile") is not None else "http"
+        self.root_path = (arg_value(args, "root_path") or "").rstrip("/")
         self.api_key = api_key(args, env)
         url_host = f"[{host}]" if ":" in host else host
         self.origin = f"{self.scheme}://{url_host}:{port}"

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 
 LEADER, WORKER = "leader", "worker"
 BACKENDS = ("mp", "ray")
@@ -36,77 +37,22 @@ DP_RPC_PORT = 29550
 RAY_PORT = 6379
 
 # Flags this module sets per node; a plan that already carries them would be ambiguous.
-_NODE_FLAGS = (
-    "--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless",
-    "--data-parallel-size-local", "-dpl", "--data-parallel-address", "-dpa",
-    "--data-parallel-rpc-port", "-dpp", "--data-parallel-start-rank", "-dpr",
-    "--distributed-executor-backend",
-)  # fmt: skip
+_NODE_DESTS = ("nnodes", "node_rank", "master_addr", "master_port", "headless",
+               "data_parallel_size_local", "data_parallel_address", "data_parallel_rpc_port",
+               "data_parallel_start_rank", "distributed_executor_backend")
 
 
-# What a plan may carry into the command (plan.json is a file on a shared volume: whoever can
-# write it must not be able to choose what runs). The planner writes only VLLM_ tuning variables
-# (launcher/predict/planner.py Plan.env) and the flags below (Plan.vllm_args, serving_flags,
-# ep_backend, speculative); anything else is refused, not dropped, so a tampered plan fails
-# loudly. Single-node `exec` re-plans from the plan's fields and never runs its argv.
-PLAN_ENV_PREFIXES = ("VLLM_",)
-# VLLM_ names that load code, relax deserialization, open debug endpoints, move files or
-# carry secrets (vllm/envs.py): never from a plan, even with the right prefix.
-PLAN_ENV_REFUSED = frozenset({
-    "VLLM_PLUGINS", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_SERVER_DEV_MODE",
-    "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_DEBUG_LOG_API_SERVER_RESPONSE",
-    "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", "VLLM_RPC_BASE_PATH",
-    "VLLM_USE_MODELSCOPE", "VLLM_API_KEY", "VLLM_HOST_IP",
-})  # fmt: skip
-# Flags the planner emits: those that take one value, and switches.
-PLAN_VALUE_FLAGS = frozenset({
-    "--model", "--served-model-name", "--tensor-parallel-size", "--pipeline-parallel-size",
-    "--data-parallel-size", "--max-model-len", "--kv-cache-dtype", "--kv-cache-memory-bytes",
-    "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
-    "--reasoning-parser", "--tool-call-parser", "--chat-template", "--tokenizer-mode",
-    "--all2all-backend", "--speculative-config",
-})  # fmt: skip
-PLAN_SWITCHES = frozenset({
-    "--enable-expert-parallel", "--enable-chunked-prefill", "--enforce-eager",
-    "--enable-reasoning", "--enable-auto-tool-choice",
-})  # fmt: skip
+def check_plan_env(env: Mapping[str, object],
+                   environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The plan's environment, through the flag table's allow-list (vllm_flags.PLAN_ENV): a
+    plan.json on a shared volume must not choose what vLLM loads (VLLM_NCCL_SO_PATH ...)."""
+    return F.check_plan_env(env, environ)
 
 
-def _refuse(what: str) -> InputError:
-    return InputError(f"plan.json carries {what}, which `vlaunch plan` never writes; refusing "
-                      "a tampered or hand-edited plan: re-run `vlaunch plan --emit`")
-
-
-def check_plan_env(env: Mapping[str, object]) -> dict[str, str]:
-    """The plan's environment as strings, if every name is one the planner could have written."""
-    out = {}
-    for key, value in env.items():
-        name = str(key)
-        if not name.startswith(PLAN_ENV_PREFIXES) or name in PLAN_ENV_REFUSED:
-            raise _refuse(f"the environment variable {name[:64]!r}")
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise _refuse(f"a non-scalar value for {name}")
-        out[name] = str(value)
-    return out
-
-
-def check_plan_flags(args: Sequence[str]) -> None:
-    """Every argument is a planner flag or the value right after one (no positionals)."""
-    i = 0
-    while i < len(args):
-        a = args[i]
-        name, eq, _ = a.partition("=")
-        if name in PLAN_SWITCHES and not eq:
-            i += 1
-        elif name in PLAN_VALUE_FLAGS:
-            if eq:
-                i += 1
-                continue
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise _refuse(f"{name} without a value")
-            i += 2
-        else:
-            raise _refuse(f"the argument {a[:64]!r}")
+def check_plan_flags(args: Sequence[str], ctx: F.PlanContext | None = None) -> None:
+    """Every argument is a flag the table lets a plan carry, its value checked (no positionals,
+    no other model, paths only inside the model's or the plan's folder)."""
+    F.check_plan_args(args, ctx)
 
 
 @dataclass(frozen=True)
@@ -149,18 +95,6 @@ def _env_int(environ: Mapping[str, str], name: str) -> int | None:
         raise InputError(f"{name}={raw!r} is not a whole number") from None
 
 
-def _flag_value(args: Sequence[str], names: Sequence[str]) -> str | None:
-    """The value of the last `--flag V` / `--flag=V` among `names`, or None."""
-    found = None
-    for i, a in enumerate(args):
-        for n in names:
-            if a == n and i + 1 < len(args):
-                found = args[i + 1]
-            elif a.startswith(n + "="):
-                found = a[len(n) + 1 :]
-    return found
-
-
 def _int_field(parallel: Mapping, key: str, default: int = 1) -> int:
     value = parallel.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -170,28 +104,27 @@ def _int_field(parallel: Mapping, key: str, default: int = 1) -> int:
 
 def _check_plan_args(args: list[str], tp: int, pp: int, dp: int, ep: bool) -> None:
     """The plan's `parallel` and its `vllm_args` must say the same thing, or one of them lies."""
-    for key, names, want in (
-        ("tp", ("--tensor-parallel-size", "-tp"), tp),
-        ("pp", ("--pipeline-parallel-size", "-pp"), pp),
-        ("dp", ("--data-parallel-size", "-dp"), dp),
-    ):
-        raw = _flag_value(args, names)
-        got = 1 if raw is None else raw
+    parsed = F.parse(args)
+    for key, dest, want in (("tp", "tensor_parallel_size", tp),
+                            ("pp", "pipeline_parallel_size", pp),
+                            ("dp", "data_parallel_size", dp)):
+        got = parsed.values.get(dest, 1)
         if str(got) != str(want):
             raise InputError(
-                f"plan says parallel.{key}={want} but its vllm_args give {names[0]} {got}; "
+                f"plan says parallel.{key}={want} but its vllm_args give {F.flag(dest)} {got}; "
                 "re-run `vlaunch plan`"
             )
-    has_ep = any(a in ("--enable-expert-parallel", "-ep") for a in args)
+    has_ep = parsed.values.get("enable_expert_parallel") is True
     if has_ep != ep:
         raise InputError(
-            f"plan says parallel.expert_parallel={ep} but --enable-expert-parallel is "
+            f"plan says parallel.expert_parallel={ep} but {F.flag('enable_expert_parallel')} is "
             f"{'present' if has_ep else 'absent'} in vllm_args; re-run `vlaunch plan`"
         )
-    for a in args:
-        if a.split("=", 1)[0] in _NODE_FLAGS:
+    for dest in _NODE_DESTS:
+        if dest in parsed.values:
             raise InputError(
-                f"plan vllm_args already hold {a}; per-node flags are added at launch, not planned"
+                f"plan vllm_args already hold {parsed.given[dest]}; per-node flags are added at "
+                "launch, not planned"
             )
 
 
@@ -241,12 +174,14 @@ def build_launch(
     master_port: int | None = None,
     dp_rpc_port: int = DP_RPC_PORT,
     ray_port: int = RAY_PORT,
+    plan_dir: str | None = None,
 ) -> NodeLaunch:
     """The command, environment and pre-commands for this node of `plan`.
 
     `environ` defaults to the process environment; `program` is how vLLM's `serve` is
     invoked in the image (`vllm serve` in the official one). `leader_address` overrides
-    LWS_LEADER_ADDRESS (tests on loopback).
+    LWS_LEADER_ADDRESS (tests on loopback). `plan_dir`: the plan's folder, where a file the
+    plan names (a chat template) may live, beside the model's own folder.
     """
     environ = os.environ if environ is None else environ
     args = plan.get("vllm_args")
@@ -262,13 +197,13 @@ def build_launch(
     if backend not in BACKENDS:
         raise InputError(f"distributed_executor_backend={backend!r}; expected mp or ray")
     _check_plan_args(args, tp, pp, dp, ep)
-    check_plan_flags(args)
+    check_plan_flags(args, F.plan_context(plan, plan_dir))
     raw_env = plan.get("env") or {}
     if not isinstance(raw_env, Mapping):
         raise InputError("plan `env` is not an object; emit a plan from `vlaunch plan`")
-    env = check_plan_env(raw_env)
+    env = check_plan_env(raw_env, environ)
     serve = [*program, *args]
-    backend_flag = ["--distributed-executor-backend", "ray"] if backend == "ray" else []
+    backend_flag = F.argv({"distributed_executor_backend": "ray" if backend == "ray" else None})
 
     if nnodes == 1:
         if role == WORKER or (_env_int(environ, "LWS_WORKER_INDEX") or 0) != 0:
@@ -303,9 +238,8 @@ def build_launch(
                 "plan a layout whose world size is a multiple of the node count"
             )
         _check_per_node(world // nnodes, gpus_per_node)
-        flags = ["--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", leader]
-        if master_port is not None:
-            flags += ["--master-port", str(master_port)]
+        flags = F.argv({"nnodes": nnodes, "node_rank": rank, "master_addr": leader,
+                        "master_port": master_port})
     else:
         if dp % nnodes:
             raise InputError(
@@ -314,16 +248,27 @@ def build_launch(
             )
         local = dp // nnodes
         _check_per_node(local * tp * pp, gpus_per_node)
-        flags = [
-            "--data-parallel-size-local", str(local),
-            "--data-parallel-address", leader,
-            "--data-parallel-rpc-port", str(dp_rpc_port),
-        ]  # fmt: skip
-        if node_role == WORKER:
-            flags += ["--data-parallel-start-rank", str(rank * local)]
-    if node_role == WORKER:
-        flags.append("--headless")
+        flags = F.argv({"data_parallel_size_local": local, "data_parallel_address": leader,
+                        "data_parallel_rpc_port": dp_rpc_port,
+                        "data_parallel_start_rank": rank * local if node_role == WORKER
+                        else None})
+    flags += F.argv({"headless": node_role == WORKER})
+    _check_release(flags, plan.get("vllm_version"))
     return NodeLaunch(node_role, rank, nnodes, serve + flags, env, serves_api=node_role == LEADER)
+
+
+def _check_release(flags: Sequence[str], version: object) -> None:
+    """The per-node flags must exist in the plan's vLLM (--nnodes and --master-addr since 0.11.1,
+    --headless and the --data-parallel-* address flags since 0.9.0: the flag table's releases);
+    an older vLLM refuses them at start-up on every node."""
+    if not isinstance(version, str) or not version:
+        return
+    for dest in F.parse(flags).values:
+        if not F.available(dest, version):
+            since, _ = F.releases(dest)
+            raise InputError(f"vLLM {version} has no {F.flag(dest)} (first in {since}), which "
+                             f"this multi-node layout needs; plan for vLLM {since} or newer "
+                             "(--vllm-version)")
 
 
 def _check_per_node(ranks: int, gpus_per_node: object) -> None:

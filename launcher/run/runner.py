@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..inputs import vllm_flags as F
 from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S
 from .endpoint import Actual, Endpoint, SmokeResult
@@ -104,16 +105,16 @@ class VllmRunner:
         args = [str(a) for a in vllm_args]
         self.env = dict(env or {})
         self.api = api
-        model = arg_value(args, "--model")
+        model = arg_value(args, "model")
         if api and model is None:
             raise ValueError("vllm_args must contain --model")
-        bind = arg_value(args, "--host")
+        bind = arg_value(args, "host")
         self.host = connect_host(bind, host)
-        if api and arg_value(args, "--port") is None:
-            args += ["--port", str(free_port(host if bind is None else "127.0.0.1"))]
+        if api and arg_value(args, "port") is None:
+            args += [F.flag("port"), str(free_port(host if bind is None else "127.0.0.1"))]
         self.vllm_args = args
-        self.port = int(arg_value(args, "--port") or 0)
-        self.model_name = arg_value(args, "--served-model-name") or model or ""
+        self.port = int(arg_value(args, "port") or 0)
+        self.model_name = arg_value(args, "served_model_name") or model or ""
         self.endpoint = Endpoint(self.host, self.port, self.model_name, args, self.env,
                                  http_timeout)
         if command is not None:
@@ -189,7 +190,7 @@ class VllmRunner:
     def argv(self) -> list[str]:
         """The full argv. `vllm serve` takes the model positionally; the module takes --model."""
         args = list(self.vllm_args)
-        if self.program[-1:] == ["serve"] and args[:1] == ["--model"]:
+        if self.program[-1:] == ["serve"] and args[:1] == [F.flag("model")]:
             args = args[1:]
         return self.program + args
 

@@ -33,7 +33,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..deployment.argv import engine_argv
+from ..deployment.codec import dump
+from ..deployment.plan import Deployment
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.vllm_failures import classify
@@ -48,12 +52,19 @@ from ..term import command as command_lines
 from ..term import fit, width
 from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
-from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, startup_deadline_s
+from .emit import startup_deadline_s
 from .exposure import exposure_warning, with_host
 from .logpump import prefixed_echo
 from .runner import VllmRunner
 from .startup_timing import learn_startup
-from .vllmargs import VLLM_COMMAND_ENV, arg_value, free_port, serve_both_names, vllm_command
+from .vllmargs import (
+    VLLM_COMMAND_ENV,
+    arg_value,
+    drop_flag,
+    free_port,
+    serve_both_names,
+    vllm_command,
+)
 
 
 @dataclass
@@ -90,7 +101,7 @@ def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra:
     fix = replan_pins(pins, plan, failure)
     if fix is not None:
         new_pins, why = fix
-        new_extra = _drop_flag(extra, "--max-model-len") if new_pins.max_model_len else extra
+        new_extra = drop_flag(extra, F.flag("max_model_len")) if new_pins.max_model_len else extra
         if (new_pins, new_extra) != (pins, extra):
             return new_pins, new_extra, why, False
     if failure.transient and not transient_retried:
@@ -99,19 +110,20 @@ def next_attempt(pins: Pins, plan: Plan, failure: vllmlog.Failure | None, extra:
     return None
 
 
-def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], dict[str, Any]]:
+def verification_table(plan: Deployment, actual: Any) -> tuple[list[str], dict[str, Any]]:
     """Predicted vs actual per component, with the error; and the numbers as a dict."""
-    kv, per_gpu = plan["kv_cache"], plan["per_gpu"]
+    pool = plan.pool
+    kv = pool.kv_cache
     alloc = actual.allocation
-    rows = [("KV cache tokens", kv["tokens"], actual.kv_cache_tokens, "{:,.0f}"),
-            ("KV blocks", kv.get("blocks"), actual.num_blocks, "{:,.0f}"),
-            ("block size", kv["block_size"], actual.block_size, "{:,.0f}"),
-            ("KV cache memory GiB", kv["memory_bytes"] / GiB,
+    rows = [("KV cache tokens", kv.tokens, actual.kv_cache_tokens, "{:,.0f}"),
+            ("KV blocks", kv.blocks, actual.num_blocks, "{:,.0f}"),
+            ("block size", kv.block_size, actual.block_size, "{:,.0f}"),
+            ("KV cache memory GiB", kv.memory_bytes / GiB,
              (actual.kv_cache_memory_bytes / GiB) if actual.kv_cache_memory_bytes
              else alloc.available_kv_gib, "{:,.2f}"),
-            ("weights GiB (per GPU)", per_gpu["weights_bytes"] / GiB, alloc.weights_gib,
+            ("weights GiB (per GPU)", pool.per_gpu.weights_bytes / GiB, alloc.weights_gib,
              "{:,.2f}"),
-            ("max concurrency", plan["max_concurrency"], actual.max_concurrency, "{:,.2f}")]
+            ("max concurrency", pool.max_concurrency, actual.max_concurrency, "{:,.2f}")]
     lines = [f"  {'':24} {'planned':>14} {'actual':>14} {'error':>8}"]
     numbers: dict[str, Any] = {}
     for name, want, got, fmt in rows:
@@ -125,9 +137,8 @@ def verification_table(plan: dict[str, Any], actual: Any) -> tuple[list[str], di
 
 
 DRY_RUN_PORT = 8000  # vLLM's default --port (entrypoints/launchers/cli_args.py, 0.32.0)
-PARALLEL_FLAGS = (("tp", ("--tensor-parallel-size", "-tp")),
-                  ("pp", ("--pipeline-parallel-size", "-pp")),
-                  ("dp", ("--data-parallel-size", "-dp")))
+PARALLEL_FLAGS = (("tp", "tensor_parallel_size"), ("pp", "pipeline_parallel_size"),
+                  ("dp", "data_parallel_size"))
 """vLLM flags that change how many GPUs an engine needs: after `--` they are pins for the
 planner, never passed through behind its back (issue 13, item 7)."""
 
@@ -136,18 +147,18 @@ def parallel_flags(extra: list[str]) -> dict[str, tuple[str, int]]:
     """{pin: (flag as given, value)} for the layout flags in `extra`; InputError when a value
     is not a positive whole number."""
     found: dict[str, tuple[str, int]] = {}
-    for key, names in PARALLEL_FLAGS:
-        for name in names:
-            raw = arg_value(extra, name)
-            if raw is None:
-                continue
-            try:
-                value = int(raw)
-            except ValueError:
-                value = 0
-            if value < 1:
-                raise InputError(f"{name} {raw!r} after --: expected a whole number >= 1")
-            found[key] = (name, value)
+    parsed = F.parse(extra)
+    for key, dest in PARALLEL_FLAGS:
+        if dest not in parsed.values:
+            continue
+        raw, name = parsed.values[dest], parsed.given[dest]
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            value = 0
+        if value < 1:
+            raise InputError(f"{name} {raw!r} after --: expected a whole number >= 1")
+        found[key] = (name, value)
     return found
 
 
@@ -163,10 +174,10 @@ def pins_from_extra(pins: Pins, extra: list[str]) -> tuple[Pins, list[str], list
             raise InputError(f"--{key} {mine} (pinned) and {name} {value} after -- disagree; "
                              "give one")
         pins = dataclasses.replace(pins, **{key: value})
-        for _, names in PARALLEL_FLAGS:
-            if name in names:
-                for n in names:
-                    extra = _drop_flag(extra, n)
+        for _, dest in PARALLEL_FLAGS:
+            if F.spec_of(name) is F.BY_DEST[dest]:
+                for n in F.BY_DEST[dest].names:
+                    extra = drop_flag(extra, n)
         notes.append(f"{name} {value} after -- is a pin (--{key} {value}); planned with it")
     return pins, extra, notes
 
@@ -248,7 +259,7 @@ Verdict = str | None
 _GIVE_UP (no further attempt helps), or None (the run is over; `result` says how)."""
 
 
-def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
+def serve(spec: ModelSpec | None, hw: Hardware | None, pins: Pins, extra: list[str], *,
           max_attempts: int = 3, quiet: bool = False, verbose: bool = False,
           dry_run: bool = False, metrics_port: int | None = 9400,
           metrics_bind: str = "127.0.0.1", log_dir: Path | None = None,
@@ -257,14 +268,15 @@ def serve(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
           stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
           out: Callable[[str], None] = print,
           plan_hook: Callable[[Plan], Plan] | None = None,
-          host: str | None = None) -> ServeResult:
+          host: str | None = None, fixed: Deployment | None = None) -> ServeResult:
     """Run the whole loop; returns when vLLM exits (or start-up finally failed, or a signal
-    stopped it: exit code 128 + the signal, no restart, nothing learnt)."""
+    stopped it: exit code 128 + the signal, no restart, nothing learnt). With `fixed` (exec of
+    an emitted plan) every attempt runs that Deployment and a failed start is not re-planned."""
     loop = _ServeLoop(spec, hw, pins, list(extra), max_attempts=max_attempts, quiet=quiet,
                       verbose=verbose, dry_run=dry_run, metrics_port=metrics_port,
                       metrics_bind=metrics_bind, log_dir=log_dir, goals=goals or {},
                       startup_timeout=startup_timeout, port=port, stop_timeout=stop_timeout,
-                      out=out, plan_hook=plan_hook, host=host)
+                      out=out, plan_hook=plan_hook, host=host, fixed=fixed)
     return loop.run()
 
 
@@ -273,8 +285,8 @@ class _ServeLoop:
     """One `serve` run: the attempts, and what carries from one to the next (the pins and flags
     the next plan uses, the exporter, whether a transient failure was already retried)."""
 
-    spec: ModelSpec
-    hw: Hardware
+    spec: ModelSpec | None  # None with `fixed`: nothing is planned
+    hw: Hardware | None
     pins: Pins
     extra: list[str]
     max_attempts: int
@@ -291,6 +303,7 @@ class _ServeLoop:
     out: Callable[[str], None]
     plan_hook: Callable[[Plan], Plan] | None
     host: str | None = None  # vLLM's --host; None: loopback (exposure.with_host)
+    fixed: Deployment | None = None  # exec: the emitted plan, run as it is, never re-planned
     result: ServeResult = field(default_factory=lambda: ServeResult(exit_code=1))
     exporter: Any = None
     transient_retried: bool = False
@@ -313,7 +326,7 @@ class _ServeLoop:
         self.original = self.pins
         # One API port for every attempt, so the exporter (up from the start, showing
         # vlaunch_engine_up 0 while a long load runs) always scrapes the right place.
-        user_port = arg_value(self.extra, "--port")
+        user_port = arg_value(self.extra, "port")
         # A dry run shows vLLM's default port, not a random free one that the next run would
         # not use either; a real run takes a free port unless one is given.
         self.api_port = int(user_port) if user_port else (
@@ -340,29 +353,35 @@ class _ServeLoop:
     # --- one attempt -------------------------------------------------------------------------
 
     def _attempt(self, number: int) -> Verdict:
-        plan = make_plan(self.spec, self.hw, self.pins, **self.goals)
-        if self.plan_hook:
-            plan = self.plan_hook(plan)
-        d = plan.to_dict()
+        plan: Plan | None = None
+        if self.fixed is not None:
+            dep = self.fixed
+        else:
+            plan = make_plan(self.spec, self.hw, self.pins, **self.goals)
+            if self.plan_hook:
+                plan = self.plan_hook(plan)
+            dep = plan.deployment()
+        d = dump(dep)
         self.result.plan = d
         if number == 1:
             # a dry run prints the one command it would run, labelled, instead of the plan's
-            text = plan_text(d)
-            self.say(text.split("\n  command:")[0] if self.dry_run and plan.fits else text)
-        if not plan.fits:
+            text = plan_text(dep)
+            self.say(text.split("\n  command:")[0] if self.dry_run and dep.fits else text)
+        if not dep.fits:
             self.out("vlaunch: the plan does not fit; not starting vLLM (see 'what would fit')")
             self.result.exit_code = 3
             return None
-        args = self._args(d)
-        env = dict(d["env"])
-        if d["kv_cache"].get("pinned"):
+        args = self._args(dep)
+        env = dict(dep.pool.env)
+        if dep.pool.kv_cache.pinned:
             # A legacy VLLM_CPU_KVCACHE_SPACE in our environment would replace the pinned bytes.
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.dry_run:
             runner = VllmRunner(args, env=env)
             # what is shown and returned (--format json) never holds a key
             self.result.command, self.result.env = redact_args(runner.argv), redact_env(env)
-            how = "--port" if self.user_port else "vLLM's default; a real run takes a free one"
+            how = (F.flag("port") if self.user_port
+                   else "vLLM's default; a real run takes a free one")
             for line in fit([f"  vlaunch would run (port {self.api_port}, {how}):"], width()):
                 self.out(line)
             for line in command_lines(redact_args(runner.argv), width(), indent="    ",
@@ -370,27 +389,27 @@ class _ServeLoop:
                 self.out(line)
             self.result.exit_code = 0
             return None
-        runner = self._runner(number, args, env, d)
+        runner = self._runner(number, args, env, dep)
         self.say(f"vlaunch: attempt {number}/{self.max_attempts}: starting vLLM "
                  f"(log: {runner.log_path})")
         with runner, runner.forward_signals():
-            return self._supervise(number, runner, plan, d, args)
+            return self._supervise(number, runner, plan, dep, args)
 
-    def _args(self, d: dict[str, Any]) -> list[str]:
+    def _args(self, dep: Deployment) -> list[str]:
         """The plan's vLLM arguments with the user's on top, our port, and a drain on stop."""
-        args, notes = merge_args(serve_both_names(d["vllm_args"]), self.extra)
-        if "--port" not in args:
-            args += ["--port", str(self.api_port)]
+        args, notes = merge_args(serve_both_names(engine_argv(dep.engine)), self.extra)
+        if F.flag("port") not in args:
+            args += [F.flag("port"), str(self.api_port)]
         args = with_host(args, self.host)  # loopback unless the user chose a host
-        if not self.result.attempts and (warning := exposure_warning(args, d["env"])):
+        if not self.result.attempts and (warning := exposure_warning(args, dict(dep.pool.env))):
             self.out(f"vlaunch: {warning}")
-        args = with_drain(args, d.get("vllm_version"), self.stop_timeout)
+        args = with_drain(args, dep.vllm_version, self.stop_timeout)
         for n in notes:
             self.out(f"vlaunch: {n}")
         return args
 
     def _runner(self, number: int, args: list[str], env: dict[str, str],
-                d: dict[str, Any]) -> VllmRunner:
+                d: Deployment) -> VllmRunner:
         """This attempt's supervisor (its own log file, phases printed as they come), and the
         exporter told about it."""
         deadline = self.startup_timeout or startup_deadline_s(d)
@@ -412,7 +431,7 @@ class _ServeLoop:
             self.exporter.record_restart()
         return runner
 
-    def _supervise(self, number: int, runner: VllmRunner, plan: Plan, d: dict[str, Any],
+    def _supervise(self, number: int, runner: VllmRunner, plan: Plan | None, d: Deployment,
                    args: list[str]) -> Verdict:
         """Start, wait until ready, check what vLLM allocated, one smoke request, serve."""
         try:
@@ -466,7 +485,7 @@ class _ServeLoop:
         self.result.exit_code = _ended_by_signal(runner, self.out)
         return None
 
-    def _start_failed(self, number: int, runner: VllmRunner, outcome: Any, plan: Plan,
+    def _start_failed(self, number: int, runner: VllmRunner, outcome: Any, plan: Plan | None,
                       args: list[str]) -> Verdict:
         """Say why, and re-plan from what the failed start measured (or give up)."""
         failure = outcome.failure
@@ -474,6 +493,10 @@ class _ServeLoop:
         self.result.attempts.append(Attempt(number, args, "failed", detail))
         self.out(f"vlaunch: attempt {number} failed: {detail}")
         explain_failure(runner, outcome, self.out)
+        if plan is None:
+            self.out("vlaunch: not re-planning an emitted plan; pass --replan to let exec plan "
+                     "again from this failure")
+            return _GIVE_UP
         step = next_attempt(self.pins, plan, failure, self.extra, self.transient_retried)
         if step is None or number == self.max_attempts:
             return _GIVE_UP
@@ -483,16 +506,16 @@ class _ServeLoop:
         return _NEXT
 
     def _smoke_failed(self, number: int, runner: VllmRunner, smoke: Any, mark: int,
-                      plan: Plan, d: dict[str, Any], args: list[str]) -> Verdict:
+                      plan: Plan | None, d: Deployment, args: list[str]) -> Verdict:
         """A first request that fails on fp8 KV is a lesson and a restart with auto KV; any
         other failure is explained and ends the run."""
-        kv = d["kv_cache"]["dtype"]
+        kv = d.pool.kv_cache.dtype
         self.result.attempts.append(Attempt(number, args, "smoke failed", smoke.error or ""))
         self.out(f"vlaunch: the smoke request failed: {smoke.error}")
         runner.settle()
         logged = runner.text_since(mark)
         said = smoke_says_fp8(smoke.error, logged)
-        if kv.startswith("fp8") and said and number < self.max_attempts:
+        if kv.startswith("fp8") and said and number < self.max_attempts and plan is not None:
             key = lesson_key(self.hw, self.spec.attention, plan.vllm_version)
             path = record_lesson(key, False, f"fp8 KV allocated, then the first request failed "
                                  f"({(smoke.error or '')[:160]})")
@@ -502,7 +525,7 @@ class _ServeLoop:
             given = self.original or self.pins
             self.pins = dataclasses.replace(self.pins, kv_cache_dtype="auto",
                                             max_model_len=given.max_model_len)
-            self.extra = _drop_flag(self.extra, "--kv-cache-dtype")
+            self.extra = drop_flag(self.extra, F.flag("kv_cache_dtype"))
             return _NEXT
         explain_failure(runner, SimpleNamespace(log_tail=logged.splitlines()[-40:]), self.out)
         return _GIVE_UP
@@ -531,7 +554,7 @@ def _run_pre_command(pre: list[str], out: Callable[[str], None]) -> int:
     return rc if 0 < rc < 256 else 1
 
 
-def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list[str],
+def node_runner(launch: Any, d: Deployment, *, port: int | None, extra: list[str],
                 log_path: Path | None, stop_timeout: float, startup_timeout: float | None,
                 verbose: bool, on_phase: Callable[[str], None] | None = None,
                 host: str | None = None) -> VllmRunner:
@@ -548,25 +571,25 @@ def node_runner(launch: Any, d: dict[str, Any], *, port: int | None, extra: list
         return VllmRunner(launch.argv, env=launch.env, command=[], api=False, echo=echo,
                           log_path=log_path, grace_period=stop_timeout, on_phase=on_phase)
     args = launch.argv[len(program):]
-    args = ["--model", args[0], *args[1:]] if args and not args[0].startswith("-") else args
+    if args and not args[0].startswith("-"):  # `vllm serve MODEL`: the module form wants --model
+        args = [F.flag("model"), args[0], *args[1:]]
     if parallel_flags(extra):
         raise InputError("a multi-node plan's layout is fixed (every node must agree); plan "
                          "again with --tp/--pp/--dp instead of passing them after --")
     args, _ = merge_args(serve_both_names(args), extra)
     if launch.serves_api:
-        if port and "--port" not in args:
-            args += ["--port", str(port)]
+        if port and F.flag("port") not in args:
+            args += [F.flag("port"), str(port)]
         args = with_host(args, host)  # loopback unless the user chose a host
-        args = with_drain(args, d.get("vllm_version"), stop_timeout)
-    deadline = startup_timeout or (STARTUP_SECONDS_BASE
-                                   + d["model"]["weights_bytes"] / STARTUP_BYTES_PER_SECOND)
+        args = with_drain(args, d.vllm_version, stop_timeout)
+    deadline = startup_timeout or startup_deadline_s(d)
     return VllmRunner(args, env=launch.env, echo=echo, log_path=log_path,
-                      command=vllm_command(serve_cli="--headless" in args),
+                      command=vllm_command(serve_cli=F.flag("headless") in args),
                       startup_timeout=deadline, grace_period=stop_timeout, on_phase=on_phase,
                       api=launch.serves_api)
 
 
-def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: int | None,
+def run_node(launch: Any, d: Deployment, *, port: int | None, metrics_port: int | None,
              metrics_bind: str, log_dir: Path, dry_run: bool, verbose: bool,
              startup_timeout: float | None, stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
              extra: list[str] | None = None, out: Callable[[str], None] = print,
@@ -643,36 +666,20 @@ def run_node(launch: Any, d: dict[str, Any], *, port: int | None, metrics_port: 
     return status if status is not None else 1
 
 
-def learn_measured_kv(d: dict[str, Any], alloc: vllmlog.Allocation) -> str | None:
+def learn_measured_kv(d: Deployment, alloc: vllmlog.Allocation) -> str | None:
     """Record what vLLM measured (its startup-plan files) as ground truth for the next plan."""
     from ..predict import measured
 
-    if d["kv_cache"].get("pinned"):
+    if d.pool.kv_cache.pinned:
         return None
     kv = measured.read_startup_plans(alloc.startup_plan_paths) or alloc.startup_plan_applied_bytes
     if not kv:
         return None
-    path = measured.record(d, kv, f"vLLM {d['vllm_version']} startup plan")
+    path = measured.record(d, kv, f"vLLM {d.vllm_version} startup plan")
     return f"{kv / GiB:.2f} GiB in {path}"
 
 
-def _drop_flag(args: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip and not a.startswith("--"):
-            skip = False
-            continue
-        skip = False
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out
-
-
-def _start_exporter(base_url: str, plan: dict[str, Any], port: int, bind: str,
+def _start_exporter(base_url: str, plan: Deployment, port: int, bind: str,
                     out: Callable[[str], None], startup_timeout: float | None = None):
     """The exporter beside a start: its "starting" phase lasts as long as this attempt may
     (a user's longer --startup-timeout must not end it early and fire VlaunchEngineDown)."""

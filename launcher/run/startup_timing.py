@@ -11,22 +11,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..deployment.plan import Deployment
 from ..predict import startup, startup_measured
 
 
-def learn_startup(runner: Any, d: dict[str, Any], load_path: str | None) -> str | None:
+def learn_startup(runner: Any, d: Deployment, load_path: str | None) -> str | None:
     """Record the runner's start-up (launch to ready) for plan `d`; a line saying so, or None
     when the runner did not time one (a fake runner, or it never became ready)."""
     marks = list(getattr(runner, "phase_marks", None) or [])
-    if len(marks) < 2 or marks[-1][0] != "ready" or not isinstance(d.get("model"), dict):
+    if len(marks) < 2 or marks[-1][0] != "ready":
         return None
     began, ready = marks[0][1], marks[-1][1]
     seconds = ready - began
     phases = startup_measured.phase_durations(marks[:-1], ready, began)
-    m = d["model"]
-    path = load_path or startup.load_path_for(m.get("source", "local"), m.get("path"))
+    st = d.pool.startup
+    path = load_path or (st.load_path if st else
+                         startup.load_path_for(d.model.source, d.model.path))
     where = startup_measured.record(d, path, seconds, phases,
-                                    f"vlaunch, vLLM {d.get('vllm_version')} log phases")
+                                    f"vlaunch, vLLM {d.vllm_version} log phases")
     if where is None:
         return None
     return (f"vlaunch: start-up took {seconds:.1f} s ("

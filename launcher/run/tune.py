@@ -40,6 +40,7 @@ injectable (`runner_factory`, `loadgen_factory`) so the bookkeeping is tested wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..deployment.codec import to_json
+from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
@@ -64,7 +67,7 @@ from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
 from . import tune_acceptance
-from .emit import STARTUP_BYTES_PER_SECOND, STARTUP_SECONDS_BASE, atomic_write, emit_plan
+from .emit import atomic_write, emit_plan, startup_deadline_s
 from .exposure import exposure_warning, with_host
 from .loadgen import LoadGenerator
 from .runner import VllmRunner
@@ -127,7 +130,7 @@ def parse_candidate(text: str) -> list[str]:
         raise InputError(f"malformed --candidate {shown!r}: {e}") from None
     if not args or not args[0].startswith("--"):
         raise InputError(f"--candidate {shown!r}: give vLLM flags, e.g. \"--max-num-seqs 16\"")
-    if arg_value(args, "--model") or arg_value(args, "--port"):
+    if arg_value(args, "model") or arg_value(args, "port"):
         raise InputError("--candidate must not set --model or --port (tune sets them)")
     if flags := secret_flags(args):
         # A secret is no tuning knob, and a candidate's flags are printed and saved in
@@ -287,10 +290,10 @@ class Tuner:
         o = self.opts
         self.doc = {
             "schema": SCHEMA, "vlaunch_version": __version__,
-            "vllm_version": installed_vllm() or baseline.plan.get("vllm_version"),
+            "vllm_version": installed_vllm() or baseline.plan.vllm_version,
             "started_at": utc_now(), "updated_at": utc_now(), "finished_at": None,
             "status": "running",
-            "model": baseline.plan["model"], "gpus": baseline.plan["gpus"],
+            "model": to_json(baseline.plan.model), "gpus": to_json(baseline.plan.hardware),
             "workload": {"input_len": o.workload.input_len, "output_len": o.workload.output_len,
                          "name": o.workload.name},
             "slo": {"ttft_ms": o.slo.ttft_ms, "tpot_ms": o.slo.tpot_ms,
@@ -468,9 +471,7 @@ class Tuner:
         return 0.0  # nothing known yet: try, with the budget as the start-up deadline
 
     def _startup_deadline(self, t: TrialSpec) -> float:
-        weights = float(t.plan.get("model", {}).get("weights_bytes") or 0)
-        deadline = self.opts.startup_timeout or (STARTUP_SECONDS_BASE
-                                                 + weights / STARTUP_BYTES_PER_SECOND)
+        deadline = self.opts.startup_timeout or startup_deadline_s(t.plan)
         return max(1.0, min(deadline, self.progress.left - STOP_MARGIN_S))
 
     def _run_engine(self, t: TrialSpec, rec: dict[str, Any], rung: int) -> None:
@@ -482,11 +483,11 @@ class Tuner:
         self.progress.line(f"start {n}/{self.opts.max_starts} (rung {rung}): {t.name}")
         if self.opts.verbose:
             self.progress.line("  vllm " + shlex.join(redact_args(t.vllm_args)))
-        if arg_value(t.vllm_args, "--host") and (warning := exposure_warning(t.vllm_args,
+        if arg_value(t.vllm_args, "host") and (warning := exposure_warning(t.vllm_args,
                                                                               t.env)):
             self.progress.line(f"  {warning}")
         env: dict[str, str | None] = dict(t.env)
-        if arg_value(t.vllm_args, "--kv-cache-memory-bytes"):
+        if arg_value(t.vllm_args, "kv_cache_memory_bytes"):
             env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would replace the pinned bytes
         runner = self.runner_factory(
             list(t.vllm_args), env, log_path=log_path, startup_timeout=self._startup_deadline(t),
@@ -631,8 +632,8 @@ class Tuner:
         self.out(f"  why: {rec['why']}")
         self.out(f"  {self.dir / TUNE_FILE}; run it: vlaunch exec --plan "
                  f"{self.dir / 'plan.json'}" + (
-                     " -- " + shlex.join(redact_args(plan["tuned"]["extra_args"]))
-                     if plan["tuned"].get("extra_args") else ""))
+                     " -- " + shlex.join(redact_args(list(plan.tuned["extra_args"])))
+                     if plan.tuned and plan.tuned.get("extra_args") else ""))
         if self.opts.plot:
             self._plot()
 
@@ -652,7 +653,7 @@ class Tuner:
                  f"SLO met up to concurrency {k['concurrency']} at least, "
                  f"{k['goodput_rps']:.2f} req/s goodput; --resume measures it again")
 
-    def _recommended_plan(self, rec: dict[str, Any]) -> dict[str, Any]:
+    def _recommended_plan(self, rec: dict[str, Any]) -> Deployment:
         """The plan that `vlaunch exec --plan` runs: the planner's own plan of the chosen
         candidate (exec re-plans from its fields), with what was measured beside it."""
         trial = next(r for r in self.doc["trials"] if r["name"] == rec["trial"]
@@ -660,16 +661,19 @@ class Tuner:
         spec = self._spec_of(trial)
         if spec is None:  # resumed from a run whose candidates differ: the baseline's plan
             spec = next(iter(self._specs.values()))
-        plan = json.loads(json.dumps(spec.plan))
-        plan["tuned"] = {"tune_json": str(self.dir / TUNE_FILE), "trial": rec["trial"],
-                         "concurrency": rec["concurrency"], "measured": rec["measured"],
-                         "slo": self.doc["slo"], "workload": self.doc["workload"],
-                         "extra_args": trial["pins"].get("extra_args", [])}
-        perf = plan.get("performance")
-        if isinstance(perf, dict):
-            perf["measured"] = {"source": "measured", "concurrency": rec["concurrency"],
-                                **rec["measured"]}
-        return plan
+        dep = spec.plan
+        tuned = json.loads(json.dumps({
+            "tune_json": str(self.dir / TUNE_FILE), "trial": rec["trial"],
+            "concurrency": rec["concurrency"], "measured": rec["measured"],
+            "slo": self.doc["slo"], "workload": self.doc["workload"],
+            "extra_args": trial["pins"].get("extra_args", [])}))
+        perf = dep.performance
+        if perf is not None:
+            perf = dataclasses.replace(perf, measured=json.loads(json.dumps(
+                {"source": "measured", "concurrency": rec["concurrency"], **rec["measured"]})))
+            pools = (dataclasses.replace(dep.pool, performance=perf), *dep.pools[1:])
+            dep = dataclasses.replace(dep, performance=perf, pools=pools)
+        return dataclasses.replace(dep, tuned=tuned)
 
     def _spec_of(self, trial: dict[str, Any]) -> TrialSpec | None:
         return self._specs.get(trial["key"])
@@ -679,7 +683,7 @@ class Tuner:
         return table(self.doc["trials"])
 
     def _plot(self) -> None:
-        def plan_of(trial: dict[str, Any]) -> dict[str, Any] | None:
+        def plan_of(trial: dict[str, Any]) -> Deployment | None:
             spec = self._spec_of(trial)
             return spec.plan if spec else None
 

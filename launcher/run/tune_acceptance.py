@@ -48,7 +48,7 @@ tokens give each prompt thousands of draft positions in all, at a bounded cost."
 
 def runs_mtp(vllm_args: list[str]) -> bool:
     """Whether a trial's flags turn on a draft (vLLM's `--speculative-config`)."""
-    return bool(arg_value(vllm_args, "--speculative-config"))
+    return bool(arg_value(vllm_args, "speculative_config"))
 
 
 def prepare(prompts: PromptSet, out_dir: Path, seed: int) -> tuple[Path, int]:

@@ -13,14 +13,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import json
 import math
 import shlex
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..deployment.argv import engine_argv
+from ..deployment.plan import Deployment
 from ..errors import InputError
+from ..inputs import vllm_flags as F
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
@@ -37,7 +39,7 @@ class TrialSpec:
     source: str  # baseline | planner | user
     vllm_args: list[str]
     env: dict[str, str]
-    plan: dict[str, Any]
+    plan: Deployment
     predicted: dict[str, Any] | None = None
     pins: dict[str, Any] = field(default_factory=dict)
 
@@ -57,7 +59,7 @@ def flags_key(args: Sequence[str]) -> str:
             name, value = pairs[-1]
             pairs[-1] = (name, f"{value} {a}".strip())
     return " ".join(f"{n}={v}" if v else n for n, v in sorted(p for p in pairs
-                                                                if p[0] != "--port"))
+                                                                if p[0] != F.flag("port")))
 
 
 _PLAN_KW: set[str] | None = None
@@ -81,52 +83,45 @@ def plan_for(spec: ModelSpec, hw: Hardware, pins: Pins, workload: Workload, slo:
     return make_plan(spec, hw, pins, **kw)
 
 
-def predicted_of(d: dict[str, Any], workload: Workload) -> dict[str, Any]:
+def predicted_of(d: Deployment, workload: Workload) -> dict[str, Any]:
     """What the planner predicts for a plan: the performance model's knee when it has one, else
     a capacity proxy (requests the engine can hold at the workload's length, capped by
     max_num_seqs), which at least ranks the candidates the same way as their batch room."""
-    perf = d.get("performance")
-    if isinstance(perf, dict):
-        knee = perf.get("knee") or perf.get("at") or {}
-        return {"source": perf.get("source", "model"),
-                "goodput_rps": knee.get("requests_per_s"),
-                "concurrency": knee.get("concurrency"),
-                "output_tokens_per_s": knee.get("output_tokens_per_s"),
-                "tpot_ms": knee.get("tpot_ms"), "ttft_ms": knee.get("ttft_ms"),
-                "score": float(knee.get("requests_per_s") or 0.0)}
+    perf = d.performance
+    if perf is not None:
+        knee = perf.knee or perf.at
+        return {"source": perf.source, "goodput_rps": knee.requests_per_s,
+                "concurrency": knee.concurrency,
+                "output_tokens_per_s": knee.output_tokens_per_s,
+                "tpot_ms": knee.tpot_ms, "ttft_ms": knee.ttft_ms,
+                "score": float(knee.requests_per_s or 0.0)}
     per_request = workload.input_len + workload.output_len
-    dp = int(d.get("parallel", {}).get("dp", 1))
-    held = d.get("kv_cache", {}).get("tokens", 0) / max(1, per_request) * dp
-    seqs = int(d.get("max_num_seqs") or 0) * dp
+    dp = d.engine.parallel.dp
+    held = d.pool.kv_cache.tokens / max(1, per_request) * dp
+    seqs = d.engine.max_num_seqs * dp
     return {"source": "capacity", "concurrency": round(min(held, seqs), 1),
             "score": float(min(held, seqs))}
 
 
-def baseline_args(d: dict[str, Any]) -> list[str]:
+def baseline_args(d: Deployment) -> list[str]:
     """vLLM's defaults for this model: the plan's arguments less every knob tune varies.
 
     Kept: the model, its name, the layout (a model that needs 8 GPUs does not start on one) and
     the memory sizing (vLLM's CPU default reserves 92% of RAM and refuses to start on a busy
     machine; a lowered GPU utilization is the free memory's, not a tuning choice).
     """
-    args = d["vllm_args"]
-    keep_value = ("--model", "--served-model-name", "--tensor-parallel-size",
-                  "--pipeline-parallel-size", "--data-parallel-size", "--max-model-len",
-                  "--kv-cache-memory-bytes")
-    out: list[str] = []
-    for name in keep_value:
-        value = arg_value(args, name)
-        if value is not None:
-            out += [name, value]
-    if "--enable-expert-parallel" in args:
-        out.append("--enable-expert-parallel")
-    util = arg_value(args, "--gpu-memory-utilization")
+    args = engine_argv(d.engine)
+    keep = ("model", "served_model_name", "tensor_parallel_size", "pipeline_parallel_size",
+            "data_parallel_size", "max_model_len", "kv_cache_memory_bytes")
+    values: dict[str, Any] = {k: arg_value(args, k) for k in keep}
+    values["enable_expert_parallel"] = F.has(args, "enable_expert_parallel")
+    util = arg_value(args, "gpu_memory_utilization")
     if util is not None and abs(float(util) - 0.92) > 1e-6:  # lowered for free memory
-        out += ["--gpu-memory-utilization", util]
-    return out
+        values["gpu_memory_utilization"] = util
+    return F.argv(values)
 
 
-def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any],
+def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: Deployment,
                   layouts: list[Any]) -> Iterator[Pins]:
     """Pins for every combination of the restart knobs around the baseline plan's values.
 
@@ -135,12 +130,12 @@ def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any
     """
     from ..predict.capabilities import fp8_kv_support
 
-    seqs0, tokens0 = int(base["max_num_seqs"]), int(base["max_num_batched_tokens"])
+    seqs0, tokens0 = base.engine.max_num_seqs, base.engine.max_num_batched_tokens
     seqs = [pins.max_num_seqs] if pins.max_num_seqs else sorted(
         {max(1, seqs0 // 8), max(1, seqs0 // 4), max(1, seqs0 // 2), seqs0, seqs0 * 2})
     tokens = [pins.max_num_batched_tokens] if pins.max_num_batched_tokens else sorted(
         {tokens0 // 2, tokens0, tokens0 * 2} - {0})
-    fp8_ok, _ = fp8_kv_support(hw, spec.attention, base["vllm_version"])
+    fp8_ok, _ = fp8_kv_support(hw, spec.attention, base.vllm_version)
     dtypes = [pins.kv_cache_dtype] if pins.kv_cache_dtype else (
         ["auto", "fp8"] if fp8_ok else ["auto"])
     eager = [True] if pins.enforce_eager else ([False] if hw.is_cpu else [False, True])
@@ -151,14 +146,14 @@ def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any
 
 
 def mtp_variants(spec: ModelSpec, hw: Hardware, pins: Pins,
-                 base: dict[str, Any]) -> list[dict[str, Any]]:
+                 base: Deployment) -> list[dict[str, Any]]:
     """MTP as a knob: off and each num_speculative_tokens of profiles/serving.yaml where the
     model has an MTP layer and the version and platform load it; a pin stays pinned."""
     from ..predict import speculative
 
     if pins.speculative is not None or pins.num_speculative_tokens:
         return [{}]
-    if not speculative.support(spec, hw, base["vllm_version"])[0]:
+    if not speculative.support(spec, hw, base.vllm_version)[0]:
         return [{}]
     return [{"speculative": False}] + [{"speculative": True, "num_speculative_tokens": int(k)}
                                        for k in speculative.mtp_table()["candidates"]]
@@ -186,27 +181,28 @@ def build_candidates(spec: ModelSpec, hw: Hardware, pins: Pins, workload: Worklo
         raise InputError(f"--max-model-len {pins.max_model_len:,} is shorter than the workload's "
                          f"{context:,} tokens per request")
     base_plan = plan_for(spec, hw, pins, workload, slo, objective)
-    base = base_plan.to_dict()
-    if not base["fits"]:
-        raise InputError(f"{spec.name} does not fit {hw.describe()}: {base['problem']}; see "
+    base = base_plan.deployment()
+    if not base.fits:
+        raise InputError(f"{spec.name} does not fit {hw.describe()}: {base.problem}; see "
                          "`vlaunch plan`")
     notes: list[str] = []
     defaults = defaults_plan(spec, hw, pins, base, workload, slo, objective, notes)
     baseline = TrialSpec("vLLM defaults", "baseline", baseline_args(defaults),
-                         dict(defaults["env"]), defaults, predicted_of(defaults, workload),
+                         dict(defaults.pool.env), defaults, predicted_of(defaults, workload),
                          {"max_model_len": pins.max_model_len})
-    seen = {baseline.key, flags_key(defaults["vllm_args"])}
+    seen = {baseline.key, flags_key(engine_argv(defaults.engine))}
     ranked: list[TrialSpec] = []
     for variant in knob_variants(spec, hw, pins, base, _layout_pins(spec, hw, pins)):
         try:
             plan = plan_for(spec, hw, variant, workload, slo, objective)
         except InputError:
             continue
-        d = plan.to_dict()
-        if not d["fits"] or flags_key(d["vllm_args"]) in seen:
+        d = plan.deployment()
+        if not d.fits or flags_key(engine_argv(d.engine)) in seen:
             continue
-        seen.add(flags_key(d["vllm_args"]))
-        ranked.append(TrialSpec(_describe(d), "planner", d["vllm_args"], dict(d["env"]), d,
+        args = engine_argv(d.engine)
+        seen.add(flags_key(args))
+        ranked.append(TrialSpec(_describe(d), "planner", args, dict(d.pool.env), d,
                                 predicted_of(d, workload), _pins_dict(variant)))
     ranked = rank_candidates(ranked, base)
     users = []
@@ -216,52 +212,54 @@ def build_candidates(spec: ModelSpec, hw: Hardware, pins: Pins, workload: Worklo
             notes.append(f"--candidate {shlex.join(flags)}: same flags as another candidate")
             continue
         seen.add(flags_key(args))
-        d = dict(base, vllm_args=args)
+        # the trial runs the baseline's flags with yours on top; its plan stays the planner's
+        # (tuned.extra_args carries your flags to `vlaunch exec`)
         users.append(TrialSpec(f"yours #{i}: {shlex.join(flags)}", "user", args,
-                               dict(base["env"]), d, None, {"extra_args": list(flags)}))
+                               dict(base.pool.env), base, None, {"extra_args": list(flags)}))
     return baseline, users + ranked, notes
 
 
-def defaults_plan(spec: ModelSpec, hw: Hardware, pins: Pins, base: dict[str, Any],
+def defaults_plan(spec: ModelSpec, hw: Hardware, pins: Pins, base: Deployment,
                   workload: Workload, slo: SLO, objective: str,
-                  notes: list[str]) -> dict[str, Any]:
+                  notes: list[str]) -> Deployment:
     """The plan of vLLM's defaults on the planner's layout: the scheduler limits `vllm serve`
     would pick (capabilities.batch_defaults), auto KV, no eager mode. Its dict is what the
     baseline's plan.json and calibration describe, so they match what was measured."""
     from ..predict.capabilities import batch_defaults
 
-    p = base["parallel"]
-    tokens, seqs = batch_defaults(hw, p["tp"] * p["pp"])
-    layout = {} if hw.is_cpu else {"tp": p["tp"], "pp": p["pp"], "dp": p["dp"],
-                                   "expert_parallel": p["expert_parallel"]}
+    p = base.engine.parallel
+    tokens, seqs = batch_defaults(hw, p.tp * p.pp)
+    layout = {} if hw.is_cpu else {"tp": p.tp, "pp": p.pp, "dp": p.dp,
+                                   "expert_parallel": p.expert_parallel}
     vanilla = dataclasses.replace(
         pins, max_num_seqs=pins.max_num_seqs or seqs,
         max_num_batched_tokens=pins.max_num_batched_tokens or max(tokens, pins.max_model_len
                                                                   or 0),
         kv_cache_dtype=pins.kv_cache_dtype or "auto", **layout)
     try:
-        d = plan_for(spec, hw, vanilla, workload, slo, objective).to_dict()
+        d = plan_for(spec, hw, vanilla, workload, slo, objective).deployment()
+        problem = d.problem
     except InputError as e:
-        d = {"fits": False, "problem": str(e)}
-    if d["fits"]:
+        d, problem = None, str(e)
+    if d is not None and d.fits:
         return d
-    notes.append(f"vLLM's defaults do not fit ({d['problem']}); the baseline keeps the "
+    notes.append(f"vLLM's defaults do not fit ({problem}); the baseline keeps the "
                  "planner's scheduler limits and KV dtype")
     return base
 
 
-def _changes(d: dict[str, Any], base: dict[str, Any]) -> int:
+def _changes(d: Deployment, base: Deployment) -> int:
     """How many knobs differ from the baseline plan: among equal predictions, fewer changes
     first (the prediction cannot tell them apart, so the smaller step is the safer one)."""
-    keys = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "parallel")
-    return sum(d.get(k) != base.get(k) for k in keys) + (
-        d["kv_cache"]["dtype"] != base["kv_cache"]["dtype"]) + (
-        _mtp_k(d) != _mtp_k(base))
+    a, b = d.engine, base.engine
+    knobs = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "parallel",
+             "kv_cache_dtype")
+    return sum(getattr(a, k) != getattr(b, k) for k in knobs) + (_mtp_k(d) != _mtp_k(base))
 
 
-def _mtp_k(d: dict[str, Any]) -> int:
-    s = ((d.get("serving") or {}).get("speculative") or {})
-    return int(s.get("num_speculative_tokens") or 0) if s.get("enabled") else 0
+def _mtp_k(d: Deployment) -> int:
+    s = d.engine.speculative_config
+    return s.num_speculative_tokens if s else 0
 
 
 def finished_first(cands: list[TrialSpec], done: set[str]) -> list[TrialSpec]:
@@ -275,16 +273,16 @@ def finished_first(cands: list[TrialSpec], done: set[str]) -> list[TrialSpec]:
     return out
 
 
-def rank_candidates(cands: list[TrialSpec], base: dict[str, Any]) -> list[TrialSpec]:
+def rank_candidates(cands: list[TrialSpec], base: Deployment) -> list[TrialSpec]:
     """By predicted goodput, but the best of every layout before the second of any: a layout
     question (TP8 vs DP8+EP) is the one a prediction is least sure of, so each gets measured."""
     def key(t: TrialSpec) -> tuple:
         return (-(t.predicted or {}).get("score", 0.0), _changes(t.plan, base), t.key)
 
     ordered = sorted(cands, key=key)
-    firsts: dict[str, TrialSpec] = {}
+    firsts: dict[Any, TrialSpec] = {}
     for t in ordered:
-        firsts.setdefault(json.dumps(t.plan.get("parallel"), sort_keys=True), t)
+        firsts.setdefault(t.plan.engine.parallel, t)
     leaders = sorted(firsts.values(), key=key)
     return leaders + [t for t in ordered if t not in leaders]
 
@@ -293,11 +291,12 @@ def _pins_dict(p: Pins) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(p).items() if v not in (None, False)}
 
 
-def _describe(d: dict[str, Any]) -> str:
-    p = d["parallel"]
-    layout = f"TP{p['tp']}" + (f"xDP{p['dp']}" if p["dp"] > 1 else "") + (
-        "+EP" if p["expert_parallel"] and p["dp"] * p["tp"] > 1 else "")
-    text = (f"{layout} seqs={d['max_num_seqs']} batched={d['max_num_batched_tokens']} "
-            f"kv={d['kv_cache']['dtype']}")
+def _describe(d: Deployment) -> str:
+    e = d.engine
+    p = e.parallel
+    layout = f"TP{p.tp}" + (f"xDP{p.dp}" if p.dp > 1 else "") + (
+        "+EP" if p.expert_parallel and p.dp * p.tp > 1 else "")
+    text = (f"{layout} seqs={e.max_num_seqs} batched={e.max_num_batched_tokens} "
+            f"kv={d.pool.kv_cache.dtype}")
     text += f" mtp={_mtp_k(d)}" if _mtp_k(d) else ""
-    return text + (" eager" if d.get("enforce_eager") else "")
+    return text + (" eager" if e.enforce_eager else "")

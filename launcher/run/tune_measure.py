@@ -69,9 +69,8 @@ def max_concurrency(t: TrialSpec, given: int | None) -> int:
     requests queue, and TTFT finds the knee)."""
     if given:
         return given
-    d = t.plan
-    seqs = int(arg_value(t.vllm_args, "--max-num-seqs") or d.get("max_num_seqs") or 256)
-    dp = int(d.get("parallel", {}).get("dp", 1))
+    seqs = int(arg_value(t.vllm_args, "max_num_seqs") or t.plan.engine.max_num_seqs)
+    dp = t.plan.engine.parallel.dp
     return max(64, 4 * seqs * dp)
 
 
@@ -154,7 +153,7 @@ class TrialMeasurement:
 
     def _load_spec(self, c: int, prompts: int, warmups: int) -> LoadSpec:
         r = self.runner
-        tokenizer = self.tokenizer or arg_value(r.vllm_args, "--model") or r.model_name
+        tokenizer = self.tokenizer or arg_value(r.vllm_args, "model") or r.model_name
         return LoadSpec(r.base_url, r.model_name, tokenizer, self.workload.input_len,
                         self.workload.output_len, c, prompts, self.seed, self.slo.ttft_ms,
                         self.slo.tpot_ms, warmups)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..deployment.plan import Deployment
 from ..inputs.workload import SLO
 from ..term import table as term_table
 from ..term import width as term_width
@@ -96,7 +97,7 @@ def table(trials: list[Trial]) -> list[str]:
     return term_table(rows, term_width(), right=range(7), gap=" ")
 
 
-def plot(trials: list[Trial], plan_of: Callable[[Trial], dict[str, Any] | None], slo: SLO,
+def plot(trials: list[Trial], plan_of: Callable[[Trial], Deployment | None], slo: SLO,
          path: Path, out: Callable[[str], None]) -> None:
     """Measured curves (tok/s and TPOT against concurrency) next to the model's, as PNG.
     `plan_of(trial)`: the plan whose predicted curve is drawn beside it (None: none)."""
@@ -118,12 +119,12 @@ def plot(trials: list[Trial], plan_of: Callable[[Trial], dict[str, Any] | None],
                         label=r["name"][:40])[0]
         ax2.plot(xs, [p["tpot_ms"] for p in pts], "o-", color=line.get_color())
         plan = plan_of(r)
-        curve = ((plan.get("performance") or {}).get("curve") if plan else None) or []
+        curve = plan.performance.curve if plan is not None and plan.performance else ()
         if curve:
-            cx = [c["concurrency"] for c in curve]
-            ax1.plot(cx, [c["output_tokens_per_s"] for c in curve], "--",
+            cx = [c.concurrency for c in curve]
+            ax1.plot(cx, [c.output_tokens_per_s for c in curve], "--",
                      color=line.get_color())
-            ax2.plot(cx, [c["tpot_ms"] for c in curve], "--", color=line.get_color())
+            ax2.plot(cx, [c.tpot_ms for c in curve], "--", color=line.get_color())
     ax2.axhline(slo.tpot_ms, color="grey", linestyle=":")
     for ax, label in ((ax1, "output tokens/s"), (ax2, "TPOT ms (mean)")):
         ax.set_xscale("log", base=2)

@@ -16,6 +16,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from ..inputs import vllm_flags as F
+
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_COMMAND_ENV = "VLAUNCH_VLLM_COMMAND"
 
@@ -47,7 +49,12 @@ def vllm_command(python: str | None = None, *, serve_cli: bool = False) -> list[
 
 
 def arg_value(args: Sequence[str], name: str) -> str | None:
-    """Value of `--name X` or `--name=X` (last one wins, as argparse does)."""
+    """Value of a flag in `args` (last one wins, as argparse does). `name` is the flag table's
+    dest (`max_num_seqs`: every spelling vLLM accepts is read) or, for a flag outside the
+    table, the option itself (`--name X` or `--name=X`)."""
+    spec = F.spec_of(name) if name.startswith("-") else F.BY_DEST[name]
+    if spec is not None:
+        return F.value(args, spec.dest)
     value = None
     for i, a in enumerate(args):
         if a == name and i + 1 < len(args):
@@ -65,10 +72,11 @@ def serve_both_names(args: Sequence[str]) -> list[str]:
     keeps clients written for either working.
     """
     out = list(args)
-    model = arg_value(out, "--model")
-    if model is None or "--served-model-name" not in out:
+    model = arg_value(out, "model")
+    served = F.flag("served_model_name")
+    if model is None or served not in out:
         return out
-    i = len(out) - 1 - out[::-1].index("--served-model-name")
+    i = len(out) - 1 - out[::-1].index(served)
     names = []
     for a in out[i + 1 :]:
         if a.startswith("-"):
@@ -105,3 +113,20 @@ def port_answers(host: str, port: int, timeout: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def drop_flag(args: list[str], name: str) -> list[str]:
+    """`args` without flag `name` and its value (either spelling: `--x v` or `--x=v`)."""
+    out, skip = [], False
+    for a in args:
+        if skip and not a.startswith("--"):
+            skip = False
+            continue
+        skip = False
+        if a == name:
+            skip = True
+            continue
+        if a.startswith(name + "="):
+            continue
+        out.append(a)
+    return out

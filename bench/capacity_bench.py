@@ -18,8 +18,8 @@ from launcher.inputs.workload import SLO, Workload  # noqa: E402
 from launcher.predict import capacity  # noqa: E402
 from launcher.predict.planner import Pins  # noqa: E402
 
-TEN = ["8xH100", "4xH200", "8xA100-80GB", "4xB200", "8xL40S", "8xH100-PCIe", "4xGH200",
-       "4xH100-NVL", "2xB300", "8xA100-40GB"]
+TEN = ["8xH100", "8xH200", "8xA100-80GB", "8xB200", "8xL40S", "8xH100-PCIe", "2xGH200",
+       "4xH100-NVL", "8xB300", "8xA100-40GB"]
 
 
 def _median(fn, runs: int = 5) -> float:

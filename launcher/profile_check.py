@@ -24,7 +24,8 @@ SCHEMAS = Path(__file__).resolve().parent / "schemas" / "profiles"
 def schema_for(relative: Path) -> str | None:
     """The schema of a file at `relative` inside the profiles folder (None: not a profile)."""
     parts = relative.parts
-    if parts in (("gpus.yaml",), ("capabilities.yaml",), ("serving.yaml",)):
+    if parts in (("gpus.yaml",), ("capabilities.yaml",), ("serving.yaml",),
+                 ("connectors.yaml",)):
         return relative.stem
     if len(parts) == 2 and parts[0] == "models" and relative.suffix == ".yaml":
         return "model"

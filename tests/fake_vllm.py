@@ -28,6 +28,10 @@ FAKE_VLLM_INFLIGHT_FILE (written, with the request's model name, once a completi
 and in flight: the handshake a test waits for instead of sleeping and hoping),
 FAKE_VLLM_KV_PER_REQUEST (KV usage each running request adds, default 0). Completions in
 flight beyond `--max-num-seqs` are reported as waiting, as vLLM's scheduler queues them.
+P/D: a completion with kv_transfer_params {"do_remote_decode": true} answers the params a
+decode engine needs (NixlConnector's shape); one carrying a remote_engine_id counts its
+prompt's words in vllm:external_prefix_cache_hits_total, as a decode engine that loaded the KV
+does.
 """
 
 from __future__ import annotations
@@ -182,7 +186,11 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
         f'vllm:kv_cache_usage_perc{{engine="0",model_name="{names[0]}"}} {{kv}}\n'
         "# TYPE process_start_time_seconds gauge\n"
         f"process_start_time_seconds {time.time():.3f}\n"
+        "# TYPE vllm:external_prefix_cache_hits_total counter\n"
+        f'vllm:external_prefix_cache_hits_total{{engine="0",model_name="{names[0]}"}} '
+        "{external}\n"
     )
+    external = [0]  # prompt tokens "loaded" from a prefill engine (kv_transfer_params)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -230,7 +238,8 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
                 kv = min(1.0, running * kv_per_request)
                 page = (metrics.replace("{running}", str(running))
                         .replace("{waiting}", str(in_flight[0] - running))
-                        .replace("{kv}", f"{kv:.4f}"))
+                        .replace("{kv}", f"{kv:.4f}")
+                        .replace("{external}", f"{external[0]:.1f}"))
                 self._send(200, page, "text/plain")
             else:
                 self._send(404, {"detail": "Not Found"})
@@ -263,8 +272,20 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
                 if "slow_smoke" in mode:
                     time.sleep(float(os.environ.get("FAKE_VLLM_DELAY", "30")))
                 k = int(req.get("max_tokens", 1))
-                self._send(200, {"model": names[0], "choices": [{"text": " x" * k}],
-                                 "usage": {"completion_tokens": k}})
+                answer = {"model": names[0], "choices": [{"text": " x" * k}],
+                          "usage": {"completion_tokens": k}}
+                kv = req.get("kv_transfer_params")
+                prompt_tokens = len(str(req.get("prompt", "")).split())
+                if isinstance(kv, dict) and kv.get("do_remote_decode"):
+                    # a prefill engine (NixlConnector's reply shape): where decode finds the KV
+                    answer["kv_transfer_params"] = {"do_remote_prefill": True,
+                                                    "remote_engine_id": f"fake-{port}",
+                                                    "remote_block_ids": [0], "remote_port": port,
+                                                    "prompt_tokens": prompt_tokens}
+                elif isinstance(kv, dict) and kv.get("remote_engine_id"):
+                    with lock:  # a decode engine: the prompt's KV counts as loaded
+                        external[0] += int(kv.get("prompt_tokens", prompt_tokens))
+                self._send(200, answer)
                 lifetime_from.setdefault("t", time.monotonic())
             finally:
                 with lock:

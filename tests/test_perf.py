@@ -209,8 +209,9 @@ def test_every_catalog_constant_is_positive_and_sourced():
 
     for k in kinds():
         assert k.hbm_gbps and k.hbm_gbps > 0 and k.bf16_tflops and k.bf16_tflops > 0, k.name
-        if k.price_usd_per_hour:
-            assert k.price_source and re.match(r"\d{4}-\d{2}", k.price_date), k.name
+        for p in k.prices:
+            assert p.source and re.match(r"\d{4}-\d{2}", p.date) and p.usd_per_hour > 0, k.name
+            assert p.gpus in k.node_sizes, (k.name, p.gpus)  # a price is for a shape sold
     for f in dataclasses.fields(perf.Constants):
         value = getattr(K, f.name)
         lo, hi = BOUNDS[f.name]

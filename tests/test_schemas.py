@@ -33,10 +33,10 @@ def test_a_renamed_field_breaks_the_plan_schema():
 
 
 @pytest.mark.parametrize("args,code", [
-    (["llama-3.1-70b", "--users", "300", "--gpus", "8xH100,4xH200", "--max-model-len", "8192"],
+    (["llama-3.1-70b", "--users", "300", "--gpus", "8xH100,8xH200", "--max-model-len", "8192"],
      0),
     (["deepseek-r1", "--rps", "2", "--gpus", "8xH200", "--no-mtp"], 0),
-    (["llama-3.1-70b", "--users", "10", "--gpus", "2xH100", "--slo", "tpot=5ms"], 3),
+    (["llama-3.1-70b", "--users", "10", "--gpus", "8xH100", "--slo", "tpot=5ms"], 3),
 ])
 def test_capacity_outputs_validate(args, code):
     r = CliRunner().invoke(cli, ["capacity", *args, "--format", "json"])

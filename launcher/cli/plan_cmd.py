@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .. import term
 from ..errors import InputError, NotFitError
 from .group import cli, format_option
 from .options import (
@@ -50,7 +51,7 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
         def echo(s: str) -> None:
             click.echo(json.dumps({"message": s}))
     else:
-        echo = click.echo
+        echo = term.echo
     exporter.run_forever(exp, port, bind, echo)
 
 
@@ -59,10 +60,8 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
 def gpus_cmd(fmt: str) -> None:
     """List the GPUs this process may use, as NVML reads them now."""
     import json
-    import os
 
     from ..inputs import inventory
-    from ..term import width
 
     try:
         inv = inventory.read_inventory()
@@ -71,8 +70,8 @@ def gpus_cmd(fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(inv.to_dict(), indent=2))
     else:
-        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        click.echo(inventory.render_table(inv, color=color, width=width()))
+        # the usage bars are coloured by term.echo, on a terminal only
+        term.echo(inventory.render_table(inv, color=False, width=term.width()))
 
 
 def format_plan(dep, fmt: str) -> str:
@@ -106,8 +105,8 @@ def _warn_format_named(output: str) -> None:
 
     fmt = _FORMAT_NAMES.get(Path(output).name.lower())
     if fmt:
-        click.echo(f"vlaunch: warning: writing to a file named '{output}'; -o names the output "
-                   f"file, the format is chosen with --format {fmt}", err=True)
+        term.echo(f"vlaunch: warning: writing to a file named '{output}'; -o names the output "
+                  f"file, the format is chosen with --format {fmt}", err=True)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -148,8 +147,8 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
 
             plan_plot(dep, plot_path)
         else:
-            click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
-                       "fit (no performance to plot)", err=True)
+            term.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
+                      "fit (no performance to plot)", err=True)
     if emit_dir:  # before printing: a folder that cannot be written is one line, not a plan
         from ..run.emit import emit_plan, write_termination_message
 
@@ -162,7 +161,10 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
         _warn_format_named(output)
         _write_atomic(output, text)
     else:
-        click.echo(_fit(text) if fmt == "text" else text)
+        if fmt == "text":
+            term.echo(_fit(text))
+        else:
+            click.echo(text)
     if not dep.fits:
         sys.exit(3)
 
@@ -182,8 +184,6 @@ def _fit(text: str) -> str:
     """Plan and capacity text fitted to the terminal (launcher/term.py): long reasons wrap
     with a hanging indent, the vllm command continues with backslashes."""
     import shlex
-
-    from .. import term
 
     cols = term.width()
     out: list[str] = []
@@ -209,6 +209,15 @@ def _fit(text: str) -> str:
 @click.option("--price", "prices", multiple=True,
               help="Price per GPU-hour, e.g. H200=3.50 (repeatable); default: catalog list "
                    "prices, dated and sourced.")
+@click.option("--prices", "prices_file", type=click.Path(dir_okay=False),
+              help="YAML of your prices per GPU-hour by GPU and shape, with source and date "
+                   "(launcher/schemas/profiles/prices.json); --price wins over it.")
+@click.option("--mix", is_flag=True,
+              help="Find the cheapest combination of the --gpus types for the load (needs "
+                   "--rps), each serving the lengths it is cheapest for (an ILP).")
+@click.option("--lengths", "lengths_file", type=click.Path(dir_okay=False),
+              help="With --mix: a YAML prompt/output length histogram "
+                   "(launcher/schemas/profiles/lengths.json); default: the workload's lengths.")
 @click.option("--headroom", type=float, default=0.2, show_default=True,
               help="Spare capacity as a fraction of the load.")
 @click.option("--spare", type=int, default=0, show_default=True,
@@ -223,7 +232,8 @@ def _fit(text: str) -> str:
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
 def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float | None,
                  gpu_options: tuple[str, ...],
-                 prices: tuple[str, ...], headroom: float, spare: int,
+                 prices: tuple[str, ...], prices_file: str | None, mix: bool,
+                 lengths_file: str | None, headroom: float, spare: int,
                  max_model_len: int | None, vllm_version: str | None,
                  speculative: bool | None, fmt: str, plot_path: str | None, **kw) -> None:
     """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s).
@@ -235,18 +245,26 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
 
     from ..inputs.model import load_model
     from ..predict import capacity
+    from ..predict.prices import PriceBook, parse_prices, read_prices_file
 
     goals = split_goals(kw)
     load = capacity.Load(users=users, rps=rps)
     load.validate()
     options = [g.strip() for item in gpu_options for g in item.split(",") if g.strip()]
-    price_map = capacity.parse_prices(prices)
+    book = read_prices_file(prices_file) if prices_file else PriceBook()
+    book.flat.update(parse_prices(prices))
+    if lengths_file and not mix:
+        raise InputError("--lengths is for --mix: add --mix, or give --input-len/--output-len")
     spec = load_model(model, revision)
-    d = capacity.plan_capacity(spec, load, goals["workload"], goals["slo"], options or None,
-                               price_map, headroom, spare,
-                               _pins(max_model_len=max_model_len, vllm_version=vllm_version,
-                                     speculative=speculative),
-                               objective=goals["objective"])
+    args = (spec, load, goals["workload"], goals["slo"], options or None, book, headroom, spare,
+            _pins(max_model_len=max_model_len, vllm_version=vllm_version,
+                  speculative=speculative))
+    if mix:
+        from ..predict import mix as mixing
+
+        d = mixing.plan_capacity_mix(*args, objective=goals["objective"], lengths=lengths_file)
+    else:
+        d = capacity.plan_capacity(*args, objective=goals["objective"])
     if plot_path:
         from ..plot import capacity_plot
 
@@ -254,9 +272,9 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     if fmt == "json":
         click.echo(json.dumps(d, indent=2))
     else:
-        from .. import term
-
-        click.echo(capacity.render(d, term.width()))
+        term.echo(capacity.render(d, term.width()))
+        if mix:
+            term.echo("\n".join(mixing.render_mix(d["mix"], term.width())))
     if d["recommended"] is None:
         raise NotFitError(capacity.miss_message(d))
 
@@ -280,9 +298,9 @@ def profiles_cmd(fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
+    term.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
     for r in rows:
-        click.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
-                   f"{r['weights_bytes'] / GiB:>6.1f} GiB "
-                   f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
+        term.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
+                  f"{r['weights_bytes'] / GiB:>6.1f} GiB "
+                  f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
 

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .. import term
 from ..errors import InputError
 from ..inputs import vllm_flags as F
 from .group import cli, format_option
@@ -59,7 +60,7 @@ def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None, fixed=No
 
     def out(text: str) -> None:
         for line in fit([text], cols):  # long messages wrap under their own indent
-            click.echo(line, err=as_json)
+            term.echo(line, err=as_json)
 
     result = serve(spec, hw, pins, list(extra), max_attempts=opts["max_attempts"],
                    quiet=opts["quiet"], verbose=opts["verbose"], dry_run=opts["dry_run"],
@@ -92,9 +93,13 @@ def _stop_timeout(opts: dict) -> float:
 @plan_options
 @scaling_options
 @_serve_options
+@click.option("--disaggregate", type=click.Choice(["on", "off"]), default="off",
+              show_default=True,
+              help="on: a prefill and a decode engine on this machine, each on half of it, "
+                   "behind a P/D proxy on --port.")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(model: str, revision: str | None, gpus: str | None, extra: tuple[str, ...],
-              **kw) -> None:
+              disaggregate: str, **kw) -> None:
     """Plan MODEL, start vLLM on the plan, verify it, recover, and keep it serving.
 
     Arguments after `--` go to vLLM; a flag given there replaces the plan's (reported), and
@@ -106,7 +111,24 @@ def serve_cmd(model: str, revision: str | None, gpus: str | None, extra: tuple[s
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     goals = split_goals(kw)
     spec = load_model(model, revision)
+    if disaggregate == "on":
+        _run_disaggregated(spec, _hardware(gpus), _pins(**kw), extra, opts)
     _run_serve(spec, _hardware(gpus), _pins(**kw), extra, opts, goals)
+
+
+def _run_disaggregated(spec, hw, pins, extra, opts) -> None:
+    from pathlib import Path
+
+    from ..run.pd_serve import serve_disaggregated
+
+    log_dir = Path(opts["log_dir"])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rc = serve_disaggregated(spec, hw, pins, list(extra), port=opts["port"], host=opts["host"],
+                             log_dir=log_dir, dry_run=opts["dry_run"],
+                             startup_timeout=opts["startup_timeout"],
+                             stop_timeout=_stop_timeout(opts),
+                             out=lambda s: term.echo(s, err=opts["fmt"] == "json"))
+    sys.exit(rc)
 
 
 @cli.command("exec")
@@ -151,7 +173,7 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
                       dry_run=opts["dry_run"], verbose=opts["verbose"],
                       startup_timeout=opts["startup_timeout"],
                       stop_timeout=_stop_timeout(opts), extra=list(extra),
-                      out=lambda s: click.echo(s, err=as_json), host=opts["host"])
+                      out=lambda s: term.echo(s, err=as_json), host=opts["host"])
         if as_json:
             import json
 
@@ -169,7 +191,7 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
     from ..run.exec_plan import live_misfit
 
     if why := live_misfit(dep):
-        click.echo(f"vlaunch: {why}", err=True)
+        term.echo(f"vlaunch: {why}", err=True)
         sys.exit(3)
     _run_serve(None, None, _pins(), extra, opts, fixed=dep)
 
@@ -237,9 +259,9 @@ def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
                             max_concurrency=max_concurrency, rungs=rungs, user_candidates=user,
                             startup_timeout=startup_timeout, plot=plot, verbose=verbose,
                             prompts=prompts)
-    say = (lambda s: None) if fmt == "json" else click.echo  # noqa: E731
+    say = (lambda s: None) if fmt == "json" else term.echo  # noqa: E731
     status, doc = tune.tune(spec, hw, pins, opts, out=say,
-                            log=lambda s: click.echo(s, err=True))
+                            log=lambda s: term.echo(s, err=True))
     if fmt == "json":
         click.echo(json.dumps(doc, indent=2, default=str))
     if status == 0 and doc.get("recommended") is None:
@@ -290,8 +312,6 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     if fmt == "json":
         click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
     else:
-        from ..term import width
-
-        click.echo(doctor.render(report, names, width()))
+        term.echo(doctor.render(report, names, term.width()))
     sys.exit(1 if report.diagnoses else 0)
 

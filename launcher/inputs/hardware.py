@@ -20,6 +20,19 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True)
+class ShapePrice:
+    """A list price per GPU-hour for one replica shape (`gpus` GPUs), as its source sells it."""
+
+    gpus: int
+    usd_per_hour: float
+    source: str
+    date: str
+
+    def describe(self) -> str:
+        return f"list price, {self.source} ({self.date})"
+
+
+@dataclass(frozen=True)
 class GPUKind:
     """One catalog entry: what a card of this kind is, not how much of it is free."""
 
@@ -38,12 +51,36 @@ class GPUKind:
     nvlink_gbps: float | None = None  # per GPU, one direction; None: PCIe only
     network_gbps: float | None = None  # scale-out per GPU, for multi-node layouts
     datacenter: bool = False
-    max_per_node: int = 8  # GPUs one server holds (HGX boards: 8); more needs NODESxCOUNT
+    node_sizes: tuple[int, ...] = (1, 2, 4, 8)  # GPUs per node as sold (catalog `node.sizes`)
+    nvlink_domain: int = 1  # GPUs sharing one NVLink/xGMI fabric (72 in an NVL72 rack)
     gemm_m_half: float | None = None  # rows where GEMMs reach half speed; None: perf default
-    price_usd_per_hour: float | None = None
-    price_source: str = ""
-    price_date: str = ""
+    prices: tuple[ShapePrice, ...] = ()
     cuda_total_bytes: int | None = None  # what torch.cuda.mem_get_info reports as total
+
+    @property
+    def max_per_node(self) -> int:
+        """GPUs one node (server or tray) holds; more needs NODESxCOUNT."""
+        return max(self.node_sizes)
+
+    def price_for(self, gpus: int) -> ShapePrice | None:
+        """The catalog's list price for a replica of `gpus` GPUs: the row for that shape, else
+        (a multi-node replica of whole priced nodes) the row for one such node."""
+        rows = {p.gpus: p for p in self.prices}
+        if gpus in rows:
+            return rows[gpus]
+        whole = [n for n in rows if n == self.max_per_node and gpus % n == 0]
+        return rows[whole[0]] if whole else None
+
+    def replica_shapes(self) -> list[str]:
+        """The `--gpus` specs one can rent for a replica: each node size; for an NVLink domain
+        wider than a node (NVL72 trays), 1, 2, 4, 8 and 16 nodes of the largest size (the
+        domain's 18 trays hold 72: a 16-tray replica is the largest power of two)."""
+        out = [f"{n}x{self.name}" for n in sorted(self.node_sizes)]
+        per = self.max_per_node
+        if self.nvlink_domain > per:
+            out += [f"{k}x{per}x{self.name}" for k in (2, 4, 8, 16)
+                    if k * per <= self.nvlink_domain]
+        return out
 
     @property
     def cc(self) -> float | None:
@@ -63,7 +100,7 @@ class Hardware:
     gpus_per_node: int
     total_bytes: int
     free_bytes: int
-    source: str = "spec"  # spec | nvml | system
+    source: str = "spec"  # spec | nvml | amdsmi | system
     notes: tuple[str, ...] = field(default=())
     devices: tuple = field(default=())  # inventory devices, when read through NVML
     cuda_total_bytes: int | None = None  # CUDA's total when a log says it (else derived)
@@ -125,21 +162,19 @@ def catalog() -> dict[str, GPUKind]:
 
 def _perf_fields(row: dict) -> dict:
     """The catalog's speed and price facts (absent for cards known only by size)."""
-    price = row.get("price") or {}
     out: dict = {k: (float(row[k]) if row.get(k) is not None else None)
                  for k in ("hbm_gbps", "bf16_tflops", "fp8_tflops", "nvlink_gbps",
                            "network_gbps")}
     out["datacenter"] = bool(row.get("datacenter"))
     if row.get("gemm_m_half"):
         out["gemm_m_half"] = float(row["gemm_m_half"])
-    if row.get("max_per_node"):
-        out["max_per_node"] = int(row["max_per_node"])
+    if row.get("node"):
+        out["node_sizes"] = tuple(sorted(int(n) for n in row["node"]["sizes"]))
+        out["nvlink_domain"] = int(row["node"]["nvlink_domain"])
     if row.get("cuda_total_mib"):
         out["cuda_total_bytes"] = int(row["cuda_total_mib"]) * MiB
-    if price:
-        out["price_usd_per_hour"] = float(price["usd_per_hour"])
-        out["price_source"] = str(price.get("source", ""))
-        out["price_date"] = str(price.get("date", ""))
+    out["prices"] = tuple(ShapePrice(int(p["gpus"]), float(p["usd_per_hour"]), str(p["source"]),
+                                     str(p["date"])) for p in row.get("prices") or ())
     return out
 
 

@@ -72,12 +72,17 @@ class ScalingAsk:
             raise InputError(f"--rps must be a positive request rate, got {self.rps}")
 
 
-def replicas_needed(load: float, per_replica: float, headroom: float, spare: int) -> int:
-    """Replicas for `load` (users or requests/s) at `per_replica` each: ceil(load x (1 +
-    headroom) / per_replica) + spare; the rule `vlaunch capacity` sizes a deployment by."""
+def replicas_needed(load: float, per_replica: float, headroom: float, spare: int,
+                    closed: bool = False) -> int:
+    """Replicas for `load` (users, `closed`, or requests/s) at `per_replica` each: ceil(load x
+    (1 + headroom) / per_replica), one more when closed-loop users would fill every replica to
+    its knee (100% busy is never planned), + spare; the rule `vlaunch capacity` sizes by."""
     if per_replica <= 0:
         raise ValueError("per_replica must be positive")
-    return max(1, math.ceil(load * (1 + headroom) / per_replica - 1e-9)) + spare
+    active = max(1, math.ceil(load * (1 + headroom) / per_replica - 1e-9))
+    if closed and load / active >= per_replica:
+        active += 1
+    return active + spare
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,8 @@ def bounds(ask: ScalingAsk, knee: Knee) -> tuple[int, int, str]:
     if per <= 0:
         raise InputError(f"one replica holds no {what} within the SLO (its knee is at one "
                          "request); relax --slo or plan bigger GPUs")
-    need = replicas_needed(float(load), per, ask.headroom, ask.spare)
+    need = replicas_needed(float(load), per, ask.headroom, ask.spare,
+                           closed=ask.users is not None)
     if ask.max_replicas is not None and ask.max_replicas < need:
         raise InputError(f"{load:g} {what} need {need} replicas at {per:,.2f} each within the "
                          f"SLO, above --max-replicas {ask.max_replicas}; raise it or lower the "

@@ -149,6 +149,18 @@ def checkpoint_scale(spec: ModelSpec) -> float:
     return spec.checkpoint_bytes / counted if counted else 1.0
 
 
+ROUGH_FIT_SHARE = 0.85
+"""Share of a GPU's memory the weights may take and still leave room for a KV cache, for the
+coarse filter that picks which GPU counts to plan at all: vLLM's default 0.9 utilisation less
+activations and CUDA graphs (a few percent); the plan then decides for real."""
+
+
+def holds_roughly(spec: ModelSpec, per_gpu_bytes: int, gpus: int) -> bool:
+    """Whether `gpus` GPUs of `per_gpu_bytes` could hold the checkpoint with room for a KV cache
+    (the coarse filter of capacity's options and of the plan's other-GPU alternatives)."""
+    return per_gpu_bytes * gpus * ROUGH_FIT_SHARE > weights_bytes(spec) * checkpoint_scale(spec)
+
+
 def shard_fraction(t: Tensor, layout: Layout, vocab: int) -> float:
     """Fraction of a tensor group one rank holds under TP / DP+EP."""
     tp, ep = layout.tp, layout.tp * layout.dp

@@ -151,6 +151,18 @@ def block_size(hw: Hardware, attention: str, kv_dtype: str) -> tuple[int, str]:
     return 16, "vLLM's default block size"
 
 
+def platform_env(hw: Hardware, attention: str) -> tuple[dict[str, str], list[str]]:
+    """(environment, reasons) a plan on this platform sets where its vLLM default differs from
+    what its recipes run (ROCm: AITER's kernels are off unless VLLM_ROCM_USE_AITER=1)."""
+    env: dict[str, str] = {}
+    reasons: list[str] = []
+    for row in table().get("platform_env") or ():
+        if _matches(row, hw, attention if "attention" in row else None):
+            env.update(row["env"])
+            reasons.append(row["reason"])
+    return env, reasons
+
+
 def batch_defaults(hw: Hardware, world: int, version: str | None = None) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) that `vllm serve` would pick on this hardware
     (engine/arg_utils.py EngineArgs.get_batch_defaults); rows with `since` need that vLLM."""

@@ -1,35 +1,41 @@
 """`vlaunch capacity`: how many GPUs, and what per month, for N users or R requests/s.
 
-For each GPU option (a node shape such as 8xH200) the replica is exactly the plan `vlaunch plan`
-makes for it (the same search, objective, SLO, MTP pin and candidate): its knee under the SLO
-says what one replica serves (users: requests in flight; rps: Poisson arrivals under the knee),
-and its figures are the plan's own. Replicas = ceil(load x (1 + headroom) / per-replica) +
-spare. Prices are the catalog's list prices (dated, sourced) or the user's; they scale the
-bill, never the count. When no option meets the SLO the answer names the closest miss.
+For each GPU option (a shape one can rent, such as 8xH200: the catalog's node sizes, and trays of
+an NVL72 within its NVLink domain) the replica is exactly the plan `vlaunch plan` makes for it
+(the same search, objective, SLO, MTP pin and candidate): its knee under the SLO says what one
+replica serves, and its figures are the plan's own. Users are a closed loop (the knee's requests
+in flight); a rate is an open loop whose queue is the M/G/c model of predict/queueing.py: a
+replica takes the largest rate whose queue wait plus prefill still meets the SLO's TTFT, always
+below 100% busy. Replicas = ceil(load x (1 + headroom) / per-replica) + spare; each option
+states its queue at the planned load (`at_load`). Prices are the catalog's list prices for that
+shape (dated, sourced) or the user's (--price, --prices FILE); they scale the bill, never the
+count. When nothing holds the model the answer says "does not fit"; when something fits but
+misses the SLO it names the closest miss.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..deployment.argv import engine_argv
 from ..deployment.codec import to_json
 from ..errors import InputError
-from ..inputs.hardware import GiB, Hardware, kinds, parse_gpus
+from ..inputs.hardware import GiB, GPUKind, Hardware, kinds, parse_gpus
 from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from . import budget as B
-from . import perf
+from . import perf, queueing
 from .autoscaling import replicas_needed
 from .planner import Pins, make_plan
+from .prices import PriceBook, parse_prices
+
+__all__ = ["Load", "Option", "default_options", "evaluate_option", "parse_prices",
+           "plan_capacity", "render", "miss_message"]
 
 HOURS_PER_MONTH = 730
 """8,760 hours / 12: how clouds bill a month."""
-
-NODE_SHAPES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class Option:
     serving: dict[str, Any] | None = None  # MTP, all-to-all backend, parsers of the replica
     single_request: dict[str, float] | None = None  # one request alone (the closest-miss figure)
     vllm_args: list[str] | None = None  # the replica's command: `vlaunch plan`'s exactly
+    at_load: dict[str, float] | None = None  # one replica at the planned load: its queue
+    fits: bool = False  # the model fits this shape (a miss is then the SLO's, not memory's)
 
     @property
     def gpus_total(self) -> int | None:
@@ -86,64 +94,69 @@ class Option:
                 "usd_per_million_output_tokens": _r(self.usd_per_m, 3),
                 "source": self.source, "problem": self.problem or None,
                 "curve": self.curve, "serving": self.serving,
-                "single_request": self.single_request, "vllm_args": self.vllm_args}
+                "single_request": self.single_request, "vllm_args": self.vllm_args,
+                "at_load": self.at_load, "fits": self.fits}
 
 
 def _r(x: float | None, nd: int = 0) -> float | None:
     return None if x is None else round(x, nd)
 
 
-_PRICE = re.compile(r"^\s*([A-Za-z0-9._-]+)\s*=\s*\$?(\d+(?:\.\d+)?)\s*$")
-
-
-def parse_prices(items: tuple[str, ...] | list[str]) -> dict[str, float]:
-    """`H200=3.50` (one per --price); keyed by the catalog's canonical name."""
-    from ..inputs.hardware import gpu_kind
-
-    out: dict[str, float] = {}
-    for item in items:
-        m = _PRICE.match(item)
-        if not m:
-            raise InputError(f"malformed --price {item!r}: use GPU=USD_PER_GPU_HOUR, e.g. "
-                             "H200=3.50")
-        value = float(m.group(2))
-        if value <= 0:
-            raise InputError(f"--price {item!r}: the price must be more than 0")
-        out[gpu_kind(m.group(1)).name] = value
-    return out
+def holds(kind: GPUKind, gpus: int, spec: ModelSpec) -> bool:
+    """Whether `gpus` of `kind` can hold the weights with room for a KV cache: the coarse
+    filter before a plan (budget.holds_roughly)."""
+    return B.holds_roughly(spec, kind.total_bytes, gpus)
 
 
 def default_options(spec: ModelSpec) -> list[list[str]]:
-    """Per data-centre GPU, the node shapes whose memory can hold the weights with room for a
-    KV cache (2x8 when one node of 8 cannot); the best of each GPU's shapes is reported."""
-    need = B.weights_bytes(spec) * B.checkpoint_scale(spec)
+    """Per data-centre GPU (NVIDIA and AMD), the shapes one can rent whose memory can hold the
+    weights with room for a KV cache (two nodes of the largest size when one cannot); the best
+    of each GPU's shapes is reported."""
     out = []
     for kind in kinds():
-        if not kind.datacenter or kind.platform != "cuda":
+        if not kind.datacenter or kind.platform not in ("cuda", "rocm"):
             continue
-        shapes = [f"{n}x{kind.name}" for n in NODE_SHAPES if kind.total_bytes * n * 0.85 > need]
-        if not shapes and kind.total_bytes * 16 * 0.85 > need:
-            shapes = [f"2x8x{kind.name}"]
+        shapes = [g for g in kind.replica_shapes() if holds(kind, parse_gpus(g).count, spec)]
+        if not shapes and kind.nvlink_domain <= kind.max_per_node \
+                and holds(kind, 2 * kind.max_per_node, spec):
+            shapes = [f"2x{kind.max_per_node}x{kind.name}"]
         if shapes:
-            out.append(shapes)
+            out.append(shapes[:2])  # the smallest two that hold it: bigger only costs more
     return out
 
 
+def shape_problem(hw: Hardware) -> str:
+    """Why a --gpus option is not a shape one can rent ('' when it is)."""
+    kind = hw.kind
+    if not kind.datacenter and not kind.prices:
+        return ""  # a workstation card or a size: any count the user has
+    if f"{hw.gpus_per_node}x{kind.name}" in kind.replica_shapes() and (
+            hw.nodes == 1 or hw.gpus_per_node == kind.max_per_node):
+        return ""
+    sizes = "/".join(str(n) for n in kind.node_sizes)
+    domain = (f", in an NVLink domain of {kind.nvlink_domain}"
+              if kind.nvlink_domain > kind.max_per_node else "")
+    return (f"{hw.count} {kind.name} is not a shape one can rent: a node holds {sizes}"
+            f"{domain}; try {kind.replica_shapes()[-1]}")
+
+
 def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, slo: SLO,
-                    pins: Pins, prices: dict[str, float], headroom: float,
+                    pins: Pins, prices: PriceBook | dict[str, float], headroom: float,
                     spare: int, objective: str = "balanced") -> Option:
-    """One GPU option: `vlaunch plan`'s plan for it, then replicas and the bill."""
+    """One GPU option: `vlaunch plan`'s plan for it, then replicas, their queue and the bill."""
     hw = parse_gpus(gpus)
-    price = prices.get(hw.kind.name, hw.kind.price_usd_per_hour)
-    source = ("your --price" if hw.kind.name in prices else
-              f"list price, {hw.kind.price_source} ({hw.kind.price_date})"
-              if hw.kind.price_usd_per_hour else "no price known: pass --price")
-    opt = Option(gpus, hw, price, source)
+    book = prices if isinstance(prices, PriceBook) else PriceBook(flat=dict(prices))
+    price = book.price(hw.kind, hw.count)
+    opt = Option(gpus, hw, price.usd_per_hour, price.source)
+    opt.problem = shape_problem(hw)
+    if opt.problem:
+        return opt
     plan = make_plan(spec, hw, pins, suggest=False, workload=workload, objective=objective,
                      slo=slo)
     if not plan.fits:
-        opt.problem = plan.chosen.problem or "does not fit"
+        opt.problem = "does not fit: " + (plan.chosen.problem or "the model is too big")
         return opt
+    opt.fits = True
     a = plan.performance
     if a is None:
         opt.problem = f"no speed facts for {hw.kind.name} in the GPU catalog"
@@ -170,26 +183,64 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
     opt.per_replica = {"knee_concurrency": k.concurrency, "requests_per_s": k.requests_per_s,
                        "output_tokens_per_s": k.output_tokens_per_s,
                        "tpot_ms": k.tpot_ms, "ttft_ms": k.ttft_ms}
-    # Users are a closed loop (the knee's concurrency); arrivals are Poisson, so a replica
-    # takes the rate whose random peaks still fit under the knee (perf.open_loop_rate).
-    open_rps = perf.open_loop_rate(a.shape, workload, k.concurrency)
-    opt.per_replica["open_loop_requests_per_s"] = round(open_rps, 3)
-    per = k.concurrency if load.users is not None else open_rps
+    knee = (k.concurrency, k.requests_per_s, k.ttft_ms)
+    per = _per_replica(a.shape, workload, slo, knee, load)
+    opt.per_replica["open_loop_requests_per_s"] = round(
+        per if load.rps is not None else _per_replica(a.shape, workload, slo, knee,
+                                                       Load(rps=1.0)), 3)
     if per <= 0:
-        opt.problem = "the knee is at one request: Poisson arrivals would queue past the SLO"
+        opt.problem = ("even a trickle of Poisson arrivals queues past the SLO's TTFT: the "
+                       "knee's prefill leaves no time to wait")
         return opt
-    active = replicas_needed(load.users if load.users is not None else load.rps, per, headroom, 0)
+    active = replicas_needed(load.users if load.users is not None else load.rps, per, headroom, 0,
+                             closed=load.users is not None)
     opt.replicas = active + spare
+    opt.at_load = at_load(a.shape, workload, knee, load, active)
     if load.users is not None:
         served = perf.point(a.shape, workload, load.users / active).output_tokens_per_s
         served *= active
     else:
         served = float(load.rps) * workload.output_len
-    if price:
-        hourly = price * opt.gpus_total
+    if opt.price:
+        hourly = opt.price * opt.gpus_total
         opt.monthly_usd = hourly * HOURS_PER_MONTH
         opt.usd_per_m = hourly / 3600 / served * 1e6 if served else None
     return opt
+
+
+def _ttft_s(shape: perf.EngineShape, w: Workload, in_flight: float) -> float:
+    """Prefill time (TTFT without queueing) with `in_flight` requests in the engine."""
+    return perf.point(shape, w, max(1.0, in_flight)).ttft_ms / 1e3
+
+
+def _per_replica(shape: perf.EngineShape, w: Workload, slo: SLO,
+                 knee: tuple[float, float, float], load: Load) -> float:
+    """What one replica takes: users, the knee's concurrency (closed loop: no queue); a rate,
+    the largest Poisson rate whose M/G/c wait plus the prefill at that load meets the SLO's
+    TTFT (open loop), strictly under the knee's throughput (100% busy)."""
+    conc, rps_k, _ = knee
+    if load.users is not None:
+        return conc
+    servers = max(1, int(conc))
+    return queueing.max_rate(servers, rps_k, lambda q: slo.ttft_ms / 1e3 - _ttft_s(
+        shape, w, q.utilization * conc))
+
+
+def at_load(shape: perf.EngineShape, w: Workload, knee: tuple[float, float, float],
+            load: Load, active: int) -> dict[str, float]:
+    """One of `active` replicas at the planned load: requests/s it receives, how busy its slots
+    are, the mean queue wait and the TTFT a request sees, queueing included."""
+    conc, rps_k, _ = knee
+    if load.users is not None:  # closed loop: at most the knee in flight, nobody waits
+        users = load.users / active
+        p = perf.point(shape, w, users)
+        return {"requests_per_s": round(p.requests_per_s, 3),
+                "utilization": round(min(users / conc, 1.0), 4), "queue_wait_ms": 0.0,
+                "ttft_ms": round(p.ttft_ms, 1)}
+    q = queueing.mgc(float(load.rps) / active, max(1, int(conc)), rps_k)
+    ttft = q.wait_s + _ttft_s(shape, w, q.utilization * conc)
+    return {"requests_per_s": round(q.rate, 3), "utilization": round(q.utilization, 4),
+            "queue_wait_ms": round(q.wait_s * 1e3, 1), "ttft_ms": round(ttft * 1e3, 1)}
 
 
 def closest_miss(options: list[Option], slo: SLO) -> Option | None:
@@ -200,12 +251,13 @@ def closest_miss(options: list[Option], slo: SLO) -> Option | None:
         return max(one.get("tpot_ms", math.inf) / slo.tpot_ms,
                    one.get("ttft_ms", math.inf) / slo.ttft_ms)
 
-    missed = [o for o in options if o.single_request and o.replicas is None]
+    missed = [o for o in options if o.fits and o.single_request and o.replicas is None]
     return min(missed, key=over, default=None)
 
 
 def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
-                  gpus: list[str] | None = None, prices: dict[str, float] | None = None,
+                  gpus: list[str] | None = None,
+                  prices: PriceBook | dict[str, float] | None = None,
                   headroom: float = 0.2, spare: int = 0, pins: Pins | None = None,
                   objective: str = "balanced") -> dict[str, Any]:
     """Every option, cheapest first; `recommended` is the cheapest that meets the SLO (priced
@@ -216,10 +268,12 @@ def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
     if spare < 0:
         raise InputError(f"--spare must be 0 or more, got {spare}")
     pins = pins or Pins()
+    book = prices if isinstance(prices, PriceBook) else PriceBook(flat=dict(prices or {}))
     groups = [[g] for g in gpus] if gpus else default_options(spec)
     if not groups:
-        raise InputError(f"no catalog GPU holds {spec.name}'s "
-                         f"{B.weights_bytes(spec) / GiB:.0f} GiB in up to 16 GPUs; pass --gpus")
+        raise InputError(f"{spec.name} does not fit: no catalog GPU holds its "
+                         f"{B.weights_bytes(spec) / GiB:.0f} GiB in one or two nodes (an NVL72 "
+                         "domain's 16 trays); pass --gpus with more nodes, e.g. 4x8xH200")
 
     def cost(o: Option) -> tuple:
         return (o.replicas is None, o.monthly_usd is None,
@@ -228,7 +282,7 @@ def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
 
     opts = []
     for shapes in groups:  # one GPU kind: keep its cheapest replica shape
-        tried = [evaluate_option(spec, g, load, workload, slo, pins, prices or {}, headroom,
+        tried = [evaluate_option(spec, g, load, workload, slo, pins, book, headroom,
                                  spare, objective) for g in shapes]
         opts.append(min(tried, key=lambda o: (*cost(o), o.hw.count)) if len(tried) > 1
                     else tried[0])
@@ -248,7 +302,9 @@ def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
             "headroom": headroom, "spare": spare, "hours_per_month": HOURS_PER_MONTH,
             "options": [o.to_dict() for o in opts],
             "recommended": ok[0].to_dict() if ok else None,
-            "closest_miss": miss.to_dict() if miss else None}
+            "closest_miss": miss.to_dict() if miss else None,
+            "verdict": "ok" if ok else ("misses_slo" if any(o.fits for o in opts)
+                                        else "does_not_fit")}
 
 
 def render(d: dict[str, Any], cols: int = 100) -> str:
@@ -263,7 +319,7 @@ def render(d: dict[str, Any], cols: int = 100) -> str:
             + f"; SLO TTFT {slo['ttft_ms']:,.0f} ms, TPOT {slo['tpot_ms']:.0f} ms; objective "
             f"{d['objective']}; MTP {d['mtp']}; headroom {d['headroom']:.0%}, spare {d['spare']}")
     rows = [["GPUs/replica", "layout", "MTP", "users", "rps", "binds", "replicas", "GPUs",
-             "$/month", "$/Mtok"]]
+             "busy", "TTFT", "$/month", "$/Mtok"]]
     misses = []
     for o in d["options"]:
         if o["replicas"] is None:
@@ -277,17 +333,21 @@ def render(d: dict[str, Any], cols: int = 100) -> str:
                      str((o.get("serving") or {}).get("mtp") or "off"),
                      f"{pr['knee_concurrency']:,.0f}", f"{pr['open_loop_requests_per_s']:,.1f}",
                      o["binding"], str(o["replicas"]), str(o["gpus_total"]),
+                     f"{o['at_load']['utilization']:.0%}", f"{o['at_load']['ttft_ms']:,.0f}",
                      f"{o['monthly_usd']:,.0f}" if priced else "no price",
                      f"{o['usd_per_million_output_tokens']:,.3f}" if priced else "-"])
     lines = term.fit([head], cols)
-    right = (2, 3, 4, 6, 7, 8, 9)
+    right = (2, 3, 4, 6, 7, 8, 9, 10, 11)
     if cols < 100:  # narrow: the binding limit is in the JSON; keep the numbers on one line
         rows = [r[:5] + r[6:] for r in rows]
-        right = (2, 3, 4, 5, 6, 7, 8)
+        right = (2, 3, 4, 5, 6, 7, 8, 9, 10)
     if len(rows) > 1:
         lines += term.table(rows, cols, indent="  ", right=right,
                             gap=" " if cols < 100 else "  ")
     lines += term.fit(misses, cols)
+    lines += term.fit([f"  price of {o['gpus']}: "
+                       + (f"${o['usd_per_gpu_hour']:,.2f}/GPU-hour, " if o["usd_per_gpu_hour"]
+                          else "") + o["price_source"] for o in d["options"]], cols)
     rec = d["recommended"]
     if rec:
         bill = (f"${rec['monthly_usd']:,.0f}/month at ${rec['usd_per_gpu_hour']:.2f}/GPU-hour "
@@ -297,11 +357,20 @@ def render(d: dict[str, Any], cols: int = 100) -> str:
                            f"({rec['parallel']['label']}, kv {rec['kv_cache']['dtype']}) = "
                            f"{rec['gpus_total']} GPUs, {bill}; performance source: "
                            f"{rec['source']}"], cols)
+        q = rec["at_load"]
+        model = ("M/G/c queue, Poisson arrivals" if d["load"]["rps"] is not None
+                 else "closed loop: nobody queues")
+        lines += term.fit([f"  at the planned load each replica gets {q['requests_per_s']:,.2f} "
+                           f"requests/s, {q['utilization']:.0%} busy: queue wait "
+                           f"{q['queue_wait_ms']:,.0f} ms, TTFT {q['ttft_ms']:,.0f} ms with "
+                           f"queueing (SLO {slo['ttft_ms']:,.0f} ms; {model})"], cols)
         mtp_reason = (rec.get("serving") or {}).get("mtp_reason")
         if mtp_reason:
             lines += term.fit([f"  - {mtp_reason}"], cols)
+    elif d["verdict"] == "does_not_fit":
+        lines.append("recommended: none - the model does not fit any option")
     else:
-        lines.append("recommended: none - no option meets the SLO")
+        lines.append("recommended: none - every option that fits misses the SLO")
     lines += term.fit(["prices are list prices of the named providers on the stated dates, "
                        "not quotes; the model's predictions are checked with `vlaunch tune` on "
                        "the real engine"], cols)
@@ -311,10 +380,11 @@ def render(d: dict[str, Any], cols: int = 100) -> str:
 def miss_message(d: dict[str, Any]) -> str:
     """One line for exit 3: no option meets the SLO, and the closest miss."""
     m, slo = d.get("closest_miss"), d["slo"]
-    if not m:
-        return "no GPU option fits the model; see the table for why"
+    if d.get("verdict") == "does_not_fit" or not m:
+        return ("the model does not fit any GPU option; see the table for why, or pass --gpus "
+                "with a larger shape")
     one = m["single_request"]
-    return (f"no GPU option meets the SLO (TTFT {slo['ttft_ms']:,.0f} ms, TPOT "
+    return (f"every GPU option that fits misses the SLO (TTFT {slo['ttft_ms']:,.0f} ms, TPOT "
             f"{slo['tpot_ms']:.0f} ms); closest: {m['gpus']} ({m['parallel']['label']}), one "
             f"request alone sees TPOT {one['tpot_ms']:.1f} ms, TTFT {one['ttft_ms']:,.0f} ms; "
             "relax --slo or shorten the workload")

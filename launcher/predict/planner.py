@@ -19,7 +19,7 @@ from typing import Any
 
 from ..deployment.plan import Reason
 from ..errors import InputError
-from ..inputs.hardware import GiB, Hardware, MiB
+from ..inputs.hardware import GiB, Hardware, MiB, kinds
 from ..inputs.model import ModelSpec, Quant
 from ..inputs.workload import (
     SLO,
@@ -47,6 +47,7 @@ from .capabilities import (
     default_vllm_version,
     fp8_kv_support,
     gate_reason,
+    platform_env,
     version_traits,
 )
 from .perfplan import FP8_MARGIN
@@ -107,7 +108,7 @@ class Plan:
                 env["VLLM_CACHE_ROOT"] = root
         if self.serving is not None:
             env.update(self.serving.env())
-        return env
+        return env | platform_env(self.hardware, self.model.attention)[0]
 
     def deployment(self) -> Any:
         """The plan as the frozen Deployment every command reads (deployment/plan.py)."""
@@ -174,7 +175,7 @@ def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
             "gpu_memory_utilization.pinned",
             f"gpu-memory-utilization {u:.2f}: pinned by you",
             {"value": u, "pinned": True}))
-        if hw.source == "nvml" and u > ceiling:
+        if hw.source in ("nvml", "amdsmi") and u > ceiling:
             warnings.append(Reason(
                 "gpu_memory_utilization.over_free",
                 f"only {hw.free_bytes / GiB:.1f} GiB of {hw.total_bytes / GiB:.1f} GiB "
@@ -184,7 +185,7 @@ def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
                  "total_bytes": hw.total_bytes}))
         return u
     u = traits.default_gpu_memory_utilization
-    if hw.source == "nvml" and ceiling < u:
+    if hw.source in ("nvml", "amdsmi") and ceiling < u:
         reasons.append(Reason(
             "gpu_memory_utilization.lowered",
             f"gpu-memory-utilization {ceiling:.2f}: lowered from vLLM's default {u:.2f} "
@@ -259,6 +260,9 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     reasons: list[Reason] = []
     warnings: list[Reason] = [Reason("hardware.note", n) for n in hw.notes]
     _version_notes(spec, pins, traits, reasons, warnings)
+    # ROCm: where its vLLM defaults differ from what its recipes run
+    env_set, why_env = platform_env(hw, spec.attention)
+    reasons += [Reason("platform_env", text, {"env": dict(env_set)}) for text in why_env]
     if spec.commit:
         where = {"hf-cache": "the local HF cache", "vlaunch-cache": "vlaunch's cache of the Hub",
                  "hub": "the Hub"}.get(spec.source, spec.source)
@@ -617,13 +621,33 @@ def _brief(plan: Plan) -> str:
             f"{c.concurrency:.1f} concurrent")
 
 
+def other_gpus(spec: ModelSpec, hw: Hardware, pins: Pins, most: int = 3) -> list[Reason]:
+    """Other data-centre GPUs one node of which holds the model (DeepSeek-V3 misses 8xH100,
+    8xH200 fits), cheapest replica at list price first, each with its plan and price."""
+    found: list[tuple[float, Reason]] = []
+    for k in kinds():
+        n = next((n for n in k.node_sizes if B.holds_roughly(spec, k.total_bytes, n)), 0)
+        plan = (_try(spec, Hardware(k, 1, n, k.total_bytes, k.total_bytes), pins)
+                if k.datacenter and k.name != hw.kind.name and n else None)
+        if plan:
+            p = k.price_for(n)
+            text = (f"another GPU: {n}x{k.name} fits ({_brief(plan)}), "
+                    + (f"list ${p.usd_per_hour:.2f}/GPU-hour ({p.source}, {p.date})"
+                       if p else "no list price"))
+            data = {"gpus": f"{n}x{k.name}", "usd_per_gpu_hour": p.usd_per_hour if p else None,
+                    "price_source": p.source if p else None}
+            found.append((p.usd_per_hour * n if p else math.inf,
+                          Reason("suggest.other_gpu", text, data)))
+    return [r for _, r in sorted(found, key=lambda t: t[0])[:most]]
+
+
 def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[Reason]:
     """Ranked alternatives that do fit, each with its own numbers."""
     out: list[Reason] = []
     free_pins = dataclasses.replace(pins, tp=None, pp=None, dp=None)
     if not hw.is_cpu:
-        per_node = max(hw.gpus_per_node, 8) if hw.gpus_per_node < 8 else hw.gpus_per_node
-        options = [(1, n) for n in (2, 4, 8) if hw.nodes == 1 and hw.gpus_per_node < n <= per_node]
+        per_node = max(hw.gpus_per_node, hw.kind.max_per_node)
+        options = [(1, n) for n in hw.kind.node_sizes if hw.nodes == 1 and hw.gpus_per_node < n]
         options += [(n, per_node) for n in (2, 3, 4) if n > hw.nodes]
         for nodes, gpn in options:
             bigger = dataclasses.replace(hw, nodes=nodes, gpus_per_node=gpn)
@@ -633,6 +657,8 @@ def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[Reason]:
                 out.append(Reason("suggest.more_gpus", f"more GPUs: {layout} fits ({_brief(plan)})"
                            + (" across nodes" if nodes > 1 else ""), {"gpus": layout}))
                 break
+    if not hw.is_cpu:
+        out += other_gpus(spec, hw, free_pins)
     if pins.max_model_len:
         relaxed = make_plan(spec, hw, dataclasses.replace(pins, max_model_len=None),
                             suggest=False)

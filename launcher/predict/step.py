@@ -293,7 +293,9 @@ def engine_shape(spec: ModelSpec, hw: Hardware, layout: B.Layout, kv_bytes_per_t
     else:
         link, link_bw = "pcie", PCIE_BW
     grow, windows = _kv_shares(spec, layout.tp)
-    per_node = hw.gpus_per_node
+    # GPUs that reach each other over NVLink: a node, or a whole NVL72 domain of trays (a
+    # replica of several GB200 trays runs TP/EP over NVLink, not the network)
+    per_node = hw.count if hw.count <= kind.nvlink_domain else hw.gpus_per_node
     return EngineShape(
         tp=layout.tp, pp=layout.pp, dp=layout.dp, expert_parallel=layout.expert_parallel,
         layers=layers_stage, moe_layers=math.ceil(_moe_layers(spec) / layout.pp),

@@ -191,7 +191,9 @@ def test_emit_writes_the_scaled_object_of_the_plan(tmp_path, monkeypatch, tiny_m
     (so,) = list(yaml.safe_load_all((tmp_path / "out" / "scaledobject.yaml").read_text()))
     a = dep.pool.autoscaling
     assert so == scaled_object(a)
-    assert so["spec"]["maxReplicaCount"] == a.max_replicas == 4
+    # capacity's rule at the plan's own knee: ceil(100 x 1.2 / knee), one more if 100% busy
+    want = replicas_needed(100, a.basis["knee_concurrency"], 0.2, 0, closed=True)
+    assert so["spec"]["maxReplicaCount"] == a.max_replicas == want
     thresholds = [float(t["metadata"]["threshold"]) for t in so["spec"]["triggers"]]
     assert thresholds == [a.target_running_per_replica, a.target_waiting_per_replica,
                           a.kv_usage_threshold]

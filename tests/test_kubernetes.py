@@ -40,6 +40,7 @@ CRD_FILES = {
     ): "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
     ("monitoring.coreos.com", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
     ("monitoring.coreos.com", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
+    ("keda.sh", "ScaledObject"): "keda.sh_scaledobjects.yaml",
 }
 GPU = "nvidia.com/gpu"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -210,7 +211,7 @@ def test_custom_resources_validate_against_published_crds(overlay):
         errors = list(_crd_validator(group, obj["kind"], version).iter_errors(obj))
         assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
         kinds.add(obj["kind"])
-    expected = {"PodMonitor", "PrometheusRule"}
+    expected = {"PodMonitor", "PrometheusRule", "ScaledObject"}
     if name.startswith("deepseek-r1-"):
         expected.add("LeaderWorkerSet")
     assert kinds == expected
@@ -845,3 +846,68 @@ def test_init_containers_share_no_scratch_with_the_server_and_have_a_memory_limi
         plan = _container(spec, "plan", init=True)
         limit = (plan.get("resources", {}).get("limits") or {}).get("memory")
         assert limit and limit == plan["resources"]["requests"]["memory"], where
+
+
+# ---- autoscaling ------------------------------------------------------------------------------
+
+
+def test_scaled_object_scales_the_workload_on_vllm_gauges_at_the_plans_targets(overlay):
+    """One ScaledObject owns the overlay's workload; its triggers are vLLM's own gauges (never
+    the removed vllm:gpu_cache_usage_perc) at the plan's autoscaling figures, and its windows are
+    no shorter than the plan's start-up (or the HPA's 3,600 s ceiling)."""
+    name, objs = overlay
+    (so,) = _of_kind(objs, "ScaledObject")
+    ref = so["spec"]["scaleTargetRef"]
+    (target,) = [o for o in objs if o["kind"] == ref["kind"]
+                 and o["metadata"]["name"] == ref["name"]]
+    assert target["apiVersion"] == ref["apiVersion"]
+    assert "replicas" not in target["spec"], "the ScaledObject owns the replica count"
+    if target["kind"] == "Deployment":
+        assert target["spec"]["strategy"]["type"] != "Recreate"
+    text = json.dumps(so)
+    assert "gpu_cache_usage_perc" not in text
+    queries = {t["name"]: t["metadata"]["query"] for t in so["spec"]["triggers"]}
+    for metric in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                   "vllm:kv_cache_usage_perc"):
+        assert sum(metric in q for q in queries.values()) == 1, metric
+    folder = "overlays/" + ("deepseek-r1-2x8xh100" if name.endswith("-deepep") else name)
+    gen = _generator()
+    kind, gpus = gen.TIMING_TARGETS[folder]
+    a = gen.plan_for(_model(objs), gpus, gen.MAX_REPLICAS[folder]).pool.autoscaling
+    got = {t["name"]: float(t["metadata"]["threshold"]) for t in so["spec"]["triggers"]}
+    assert got == {"vllm-running": a.target_running_per_replica,
+                   "vllm-waiting": a.target_waiting_per_replica,
+                   "vllm-kv-usage": a.kv_usage_threshold}
+    spec = so["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (a.min_replicas,
+                                                                  a.max_replicas)
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    for way in ("scaleUp", "scaleDown"):
+        window = behavior[way]["stabilizationWindowSeconds"]
+        assert window >= min(a.startup_s, 3600) and window <= 3600, (way, window)
+
+
+def test_scaled_object_crd_check_is_not_vacuous():
+    objs = _kustomize(K8S / "overlays" / "cpu-demo")
+    (so,) = _of_kind(objs, "ScaledObject")
+    validator = _crd_validator("keda.sh", "ScaledObject", "v1alpha1")
+    assert not list(validator.iter_errors(so))
+    bad = copy.deepcopy(so)
+    bad["spec"]["maxReplicas"] = 3  # KEDA's field is maxReplicaCount
+    assert list(validator.iter_errors(bad))
+    bad = copy.deepcopy(so)
+    del bad["spec"]["triggers"][0]["type"]
+    assert list(validator.iter_errors(bad))
+
+
+def test_pods_plan_the_pool_the_scaled_object_scales(overlay):
+    """The init container plans with the ScaledObject's bounds and the model volume as the
+    weights' path, so the exporter's capacity per replica is the trigger's threshold."""
+    name, objs = overlay
+    folder = "overlays/" + ("deepseek-r1-2x8xh100" if name.endswith("-deepep") else name)
+    (so,) = _of_kind(objs, "ScaledObject")
+    for where, template in _pod_templates(objs):
+        args = _argv(_container(template["spec"], "plan", init=True))
+        assert args[args.index("--weights-from") + 1] == "volume", where
+        assert int(args[args.index("--max-replicas") + 1]) == so["spec"]["maxReplicaCount"] \
+            == _generator().MAX_REPLICAS[folder], where

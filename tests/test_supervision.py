@@ -717,6 +717,24 @@ def test_port_answers_is_false_for_a_closed_port():
         assert not port_answers("127.0.0.1", port)
 
 
+def test_serve_records_the_start_up_and_the_next_plan_uses_it(env, model, tmp_path):
+    """serve times the fake engine's phases to ready; a plan of the same setup then carries
+    that start-up (source measured) and its autoscaling windows follow it."""
+    from launcher.predict.planner import make_plan
+
+    env("ready", lifetime=1)
+    result, lines = _serve(model, log_dir=tmp_path, max_attempts=1)
+    text = "\n".join(lines)
+    assert [a.outcome for a in result.attempts] == ["serving"], text
+    (line,) = [x for x in lines if "start-up took" in x]
+    measured_s = float(line.split("start-up took ")[1].split(" s")[0])
+    d = make_plan(load_model(str(model)), parse_gpus("cpu"), Pins()).to_dict()
+    assert d["startup"]["source"] == "measured"
+    assert d["startup"]["seconds"] == pytest.approx(measured_s, abs=0.06)
+    assert "starting" in d["startup"]["terms"]
+    assert d["autoscaling"]["scale_up_stabilization_s"] >= d["startup"]["seconds"]
+
+
 def test_startup_phases_print_behind_a_bar_of_the_deadline_spent(env, model, tmp_path):
     """Each start-up phase line carries the share of `--startup-timeout` used so far (20 cells,
     to the nearest: the elapsed time it prints, over the deadline), in plain characters."""

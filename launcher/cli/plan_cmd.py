@@ -14,6 +14,7 @@ from .options import (
     pin_option,
     plan_options,
     revision_option,
+    scaling_options,
     split_goals,
     workload_options,
 )
@@ -122,6 +123,7 @@ def _write_atomic(path: str, text: str) -> None:
 @click.argument("model")
 @revision_option
 @plan_options
+@scaling_options
 @format_option("text for people; json or yaml for scripts; args: vLLM's flags, one a line.",
                "yaml", "args")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")

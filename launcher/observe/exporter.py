@@ -49,6 +49,7 @@ from .families import (
     engine_families,
     gpu_families,
     plan_families,
+    scaling_families,
     self_families,
 )
 from .gpus import GpuReader, GpuRecord, default_gpu_reader, to_gpu_record
@@ -292,6 +293,7 @@ class Exporter:
             dropped = dict(self._dropped)
         yield from engine_families(self.plan, snap, actual, restarts, starting)
         yield from plan_families(self.plan)
+        yield from scaling_families(self.plan, snap)
         if self.gpu_reader is not None:
             yield from gpu_families(gpus)
         yield from self_families(snap, errors, dropped, self._gpu_duration,

@@ -29,7 +29,9 @@ READ_CHUNK = 65536
 USAGE_FAMILIES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
 CACHE_INFO_FAMILY = "vllm:cache_config_info"
 START_TIME_FAMILY = "process_start_time_seconds"
-NEEDED_FAMILIES = (*USAGE_FAMILIES, CACHE_INFO_FAMILY, START_TIME_FAMILY)
+# Requests per engine: what the advisory replica count (families.scaling_families) adds up.
+LOAD_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+NEEDED_FAMILIES = (*USAGE_FAMILIES, CACHE_INFO_FAMILY, START_TIME_FAMILY, *LOAD_FAMILIES)
 
 # Only the lines of the families above (samples and their HELP/TYPE) are handed to the parser:
 # vLLM's page is mostly histogram buckets we do not use, and parsing all of it took ~60 ms for 8
@@ -52,6 +54,8 @@ class EngineSample:
     capacity_tokens: int | None = None
     capacity_bytes: int | None = None
     max_concurrency: float | None = None
+    running: float | None = None  # vllm:num_requests_running
+    waiting: float | None = None  # vllm:num_requests_waiting
 
 
 @dataclass
@@ -196,6 +200,7 @@ def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
     info_text = "\n".join(x for x in page.lines if CACHE_INFO_FAMILY in x) + "\n"
     other_text = "\n".join(x for x in page.lines if CACHE_INFO_FAMILY not in x) + "\n"
     usage: dict[str, dict[str, float]] = {n: {} for n in USAGE_FAMILIES}
+    load: dict[str, dict[str, float]] = {n: {} for n in LOAD_FAMILIES}
     start_time: float | None = None
     try:
         infos = _parse_cache_info(info_text)
@@ -205,12 +210,16 @@ def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
                     if not math.isfinite(s.value):
                         raise ValueError(f"{s.name} is {s.value}")
                     usage[s.name][s.labels.get("engine") or "0"] = s.value
+                elif s.name in load and math.isfinite(s.value) and s.value >= 0:
+                    per = load[s.name]
+                    engine = s.labels.get("engine") or "0"
+                    per[engine] = per.get(engine, 0.0) + s.value  # summed over model names
                 elif s.name == START_TIME_FAMILY:
                     start_time = s.value
     except ValueError as e:
         raise ScrapeError("malformed", f"vLLM /metrics does not parse: {e}") from None
     # The engine label becomes a label of ours: a long one is dropped, never re-exported.
-    for series in (*usage.values(), infos):
+    for series in (*usage.values(), *load.values(), infos):
         for engine in [e for e in series if len(e) > MAX_LABEL_CHARS]:
             del series[engine]
             dropped["label_too_long"] += 1
@@ -221,6 +230,10 @@ def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
             "vLLM /metrics has no vllm:kv_cache_usage_perc (is --disable-log-stats set?)",
         )
     engines = {e: EngineSample(usage_ratio=min(max(v, 0.0), 1.0)) for e, v in ratios.items()}
+    for per, attr in zip(load.values(), ("running", "waiting"), strict=True):
+        for engine, v in per.items():
+            if engine in engines:  # an engine is one that reports its KV usage
+                setattr(engines[engine], attr, v)
     # num_gpu_blocks in cache_config_info is the front-end's sum over DP engines, while
     # kv_cache_size_tokens is per engine; split the sum when it is the only number there is.
     n_info = max(len(infos), 1)

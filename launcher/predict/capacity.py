@@ -27,6 +27,7 @@ from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
 from . import budget as B
 from . import perf, queueing
+from .autoscaling import replicas_needed
 from .planner import Pins, make_plan
 from .prices import PriceBook, parse_prices
 
@@ -200,10 +201,8 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
         opt.problem = ("even a trickle of Poisson arrivals queues past the SLO's TTFT: the "
                        "knee's prefill leaves no time to wait")
         return opt
-    want = (load.users if load.users is not None else load.rps) * (1 + headroom)
-    active = max(1, math.ceil(want / per - 1e-9))
-    if load.users is not None and load.users / active >= per:
-        active += 1  # a replica holding its knee's users is 100% busy: never planned
+    active = replicas_needed(load.users if load.users is not None else load.rps, per, headroom, 0,
+                             closed=load.users is not None)
     opt.replicas = active + spare
     opt.at_load = at_load(a.shape, workload, knee, load, active)
     if load.users is not None:

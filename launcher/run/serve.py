@@ -56,6 +56,7 @@ from .exporter_beside import set_actual, start_exporter, start_worker_exporter
 from .exposure import exposure_warning, with_host
 from .logpump import prefixed_echo
 from .runner import VllmRunner
+from .startup_timing import learn_startup
 from .vllmargs import (
     VLLM_COMMAND_ENV,
     arg_value,
@@ -456,6 +457,8 @@ class _ServeLoop:
         learnt = learn_measured_kv(d, actual.allocation)
         if learnt:
             self.say(f"vlaunch: recorded vLLM's measured KV memory for the next plan ({learnt})")
+        if timed := learn_startup(runner, d, self.goals.get("load_path")):
+            self.say(timed)
         mark = runner.bytes_seen
         smoke = runner.smoke_test()
         if runner.interrupted is not None:  # a signal is no evidence about fp8

@@ -114,6 +114,8 @@ def dump(d: P.Deployment) -> dict[str, Any]:
         "performance": performance_json(d, d.performance),
         "problem": d.problem,
         "serving": to_json(pool.serving),
+        "startup": to_json(pool.startup),
+        "autoscaling": to_json(pool.autoscaling),
         "objective": d.objective,
         "workload": to_json(d.workload),
         "slo": to_json(d.slo),
@@ -241,6 +243,9 @@ def _check(d: P.Deployment, raw: dict[str, Any]) -> None:
         for name, n in counts.items():
             if n < 1:
                 raise _fail(f"{where}.{name}", n, "a whole number of at least 1")
+        if d.fits and e.kv_cache_memory_bytes is not None and e.kv_cache_memory_bytes < 1:
+            raise _fail(f"{where}.engine.kv_cache_memory_bytes", e.kv_cache_memory_bytes,
+                        "a whole number of bytes of at least 1, or null")
         if not 0 < e.gpu_memory_utilization <= 1:
             raise _fail(f"{where}.engine.gpu_memory_utilization", e.gpu_memory_utilization,
                         "a number in (0, 1]")

@@ -94,6 +94,9 @@ def generate() -> dict[str, Any]:
     alt = json.loads(json.dumps(defs["Alternative"]))
     alt["properties"]["performance"] = perf
     defs["alternative_block"] = alt
+    # the top level below and pool_block are the JSON forms of these two (keys renamed, blocks
+    # added): their field-by-field entries would describe no document
+    del defs["Deployment"], defs["Pool"]
     top_parallel = json.loads(json.dumps(defs["Parallel"]))
     top_parallel["properties"]["distributed_executor_backend"] = {"type": "string"}
     top_parallel["required"].append("distributed_executor_backend")
@@ -112,6 +115,7 @@ def generate() -> dict[str, Any]:
         "suggestions": t(tuple[P.Reason, ...]),
         "alternatives": {"type": "array", "items": {"$ref": "#/$defs/alternative_block"}},
         "performance": perf, "problem": t(str | None), "serving": t(P.Serving | None),
+        "startup": t(P.Startup | None), "autoscaling": t(P.Autoscaling | None),
         "objective": t(P.Objective), "workload": t(P.Workload | None),
         "slo": t(P.SLO | None), "deployment": t(P.Kind),
         "pools": {"type": "array", "items": {"$ref": "#/$defs/pool_block"}, "minItems": 1},

@@ -29,7 +29,7 @@ from ..inputs.workload import (
     resolve_workload,
 )
 from . import budget as B
-from . import rank, search, serving
+from . import rank, scaleplan, search, serving
 from .candidates import (  # noqa: F401 - the planner's public names, kept for its callers
     CPU_MEMORY_FRACTION,
     CUDA_CONTEXT_BYTES,
@@ -77,6 +77,8 @@ class Plan:
     concurrency: int | None = None  # the operating point the user asked for (--concurrency)
     judged: int = 0  # candidates the search judged for memory
     timed: int = 0  # of those, judged for speed too
+    startup: Any = None  # startup.Startup of one replica (scaleplan.attach)
+    autoscaling: Any = None  # autoscaling.Autoscaling of the pool (scaleplan.attach)
 
     @property
     def fits(self) -> bool:
@@ -239,9 +241,11 @@ def _check_request(spec: ModelSpec, pins: Pins, workload: Workload) -> None:
 def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
               suggest: bool = True, *, workload: Workload | None = None,
               objective: str | None = None, slo: SLO | None = None,
-              concurrency: int | None = None) -> Plan:
+              concurrency: int | None = None, scaling: Any = None,
+              load_path: str | None = None) -> Plan:
     """Plan a deployment of `spec` on `hw` honouring `pins`, for `workload` under `slo`, ranked
-    by `objective`; never raises for a misfit. The composer: the search judges every candidate
+    by `objective`, its pool sized by `scaling` (autoscaling.ScalingAsk) with weights read over
+    `load_path`; never raises for a misfit. The composer: the search judges every candidate
     (predict/search.py), the best one becomes the plan, its assessment is the plan's single
     prediction, and every reason is read from the judged candidates."""
     pins = pins or Pins()
@@ -345,6 +349,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     _explain_speed(plan)
     if suggest and not best.fits:
         plan.suggestions = suggestions(spec, hw, pins)
+    scaleplan.attach(plan, scaling, load_path)
     return plan
 
 
@@ -441,6 +446,13 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[Reason]) -> Non
             "once within the SLO; beyond it requests queue (TTFT grows) instead of slowing "
             f"every running one{waits}; {best.capped_from:,} would let {over}",
             {"value": c.max_num_seqs, "uncapped": best.capped_from, "knee": knee}))
+    elif best.trimmed_from is not None and p.max_num_seqs is None:
+        reasons.append(Reason(
+            "max_num_seqs.kv_trimmed",
+            f"max-num-seqs {c.max_num_seqs:,} per engine: the KV cache caps the running "
+            f"requests below it anyway; {best.trimmed_from:,} would take KV memory for "
+            "sampler buffers and CUDA graphs it never uses",
+            {"value": c.max_num_seqs, "untrimmed": best.trimmed_from}))
     elif k.max_num_seqs is not None and p.max_num_seqs is None:
         reasons.append(Reason(
             "max_num_seqs.kv_limited",

@@ -68,6 +68,7 @@ from .emit import atomic_write, emit_plan, startup_deadline_s
 from .exposure import exposure_warning, with_host
 from .loadgen import LoadGenerator
 from .runner import VllmRunner
+from .startup_timing import learn_startup
 from .tune_candidates import TrialSpec, build_candidates, finished_first
 from .tune_candidates import flags_key as flags_key  # tests/test_tune_engine.py imports it here
 from .tune_measure import (
@@ -474,6 +475,8 @@ class Tuner:
                 self._start_failed(rec, outcome, runner)
                 return
             self.startup_times.append(rec["startup_s"])
+            if timed := learn_startup(runner, t.plan, None):
+                self.progress.line(f"  {timed}")
             smoke = runner.smoke_test(timeout=max(5.0, min(120.0, self.progress.left
                                                            - STOP_MARGIN_S)))
             if not smoke.ok:

@@ -19,6 +19,7 @@ from .. import __version__
 from ..deployment.codec import to_json
 from ..deployment.plan import Deployment
 from ..errors import InputError
+from ..paths import loads_json, read_small_text
 from .emit import atomic_write
 from .tune_candidates import TrialSpec
 from .tune_report import decide, score, summary
@@ -44,7 +45,7 @@ class TuneRecord:
         if not resume or not path.exists():
             return
         try:
-            old = json.loads(path.read_text())
+            old = loads_json(read_small_text(path))
         except (OSError, ValueError) as e:
             raise InputError(f"--resume: cannot read {path} ({e})") from None
         for t in old.get("trials", []):

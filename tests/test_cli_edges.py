@@ -150,3 +150,18 @@ def test_exec_says_pinned_by_you_only_for_the_users_pins(tmp_path):
     assert pinned == ["- max-model-len 8,192: pinned by you"], pinned
     assert "gpu-memory-utilization 0.92: from the emitted plan" in r.output
     assert re.search(r"layout TP1: .*\(from the emitted plan\)", " ".join(r.output.split()))
+
+
+def test_a_closed_pipe_ends_quietly_as_sigpipe_would():
+    """`vlaunch ... | head`: the reader went away; no error line, exit 128 + SIGPIPE."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "deepseek-v3", "--gpus",
+                          "8xH200", "--dry-run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None
+    p.stdout.read(10)
+    p.stdout.close()  # as `head -c 10` does
+    _, err = p.communicate(timeout=120)
+    assert p.returncode in (0, 141), err
+    assert b"error" not in err and b"Traceback" not in err, err

@@ -27,6 +27,16 @@ class _Group(click.Group):
             except NotFitError as e:
                 term.echo(f"vlaunch: {e}", err=True)
                 ctx.exit(e.exit_code)
+            except BrokenPipeError:
+                # `vlaunch plan ... | head`: the reader has all it wanted. Exit as a program
+                # killed by SIGPIPE does (128 + 13), saying nothing, and let no later flush of
+                # the closed stdout raise again (Python's documented idiom for SIGPIPE).
+                import os
+                import sys
+
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                ctx.exit(141)
             except OSError as e:  # a path the user gave that cannot be read or written
                 where = f" {e.filename}" if e.filename else ""
                 term.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the "

@@ -9,7 +9,8 @@ import click
 from ..errors import InputError, NotFitError
 from .group import cli, format_option
 from .options import (
-    build_plan,
+    build_deployment,
+    disaggregate_options,
     pin_option,
     plan_options,
     revision_option,
@@ -78,7 +79,7 @@ def format_plan(dep, fmt: str) -> str:
     """Deployment `dep` in `fmt`: the codec's JSON (or YAML), vLLM's flags, or the text."""
     import json
 
-    from ..deployment.argv import engine_argv
+    from ..deployment.argv import pool_argv
     from ..deployment.codec import dump
     from ..render import plan_text
 
@@ -90,7 +91,7 @@ def format_plan(dep, fmt: str) -> str:
 
         return yaml.safe_dump(d, sort_keys=False)
     if fmt == "args":
-        return "\n".join(engine_argv(dep.engine) if dep.fits else [])
+        return "\n".join(pool_argv(dep.pool) if dep.fits else [])
     return plan_text(dep)
 
 
@@ -119,6 +120,7 @@ def _write_atomic(path: str, text: str) -> None:
 @click.argument("model")
 @revision_option
 @plan_options
+@disaggregate_options
 @format_option("text for people; json or yaml for scripts; args: vLLM's flags, one a line.",
                "yaml", "args")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")
@@ -139,7 +141,13 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
     """
     if output:
         _check_folder(output, "-o")
-    dep = build_plan(model, gpus, revision, **pins).deployment()
+    if emit_dir and pins.get("disaggregate") == "on":
+        raise InputError("--emit writes one engine's files (one pod); a disaggregated plan is "
+                         "not emitted per pool yet: use --format json -o FILE for it, or "
+                         "--disaggregate off with --emit")
+    if emit_dir:  # the init container runs one engine: its plan stays aggregated
+        pins["disaggregate"] = "off"
+    dep = build_deployment(model, gpus, revision, **pins)
     if plot_path:
         if dep.fits:
             from ..plot import plan_plot

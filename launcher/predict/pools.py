@@ -117,7 +117,7 @@ def aggregated_option(plan: Any) -> Option | None:
         return None
     p = a.knee or a.single
     return Option("aggregated", plan.hardware.count, p.requests_per_s, p.output_tokens_per_s,
-                  p.ttft_ms, p.tpot_ms, f"aggregated {plan.chosen.label()}", a.knee is not None)
+                  p.ttft_ms, p.tpot_ms, plan.chosen.label(), a.knee is not None)
 
 
 def _split_option(pre: Any, dec: Any, hw: Hardware, w: Workload, slo: SLO, connector: str
@@ -137,19 +137,24 @@ def _split_option(pre: Any, dec: Any, hw: Hardware, w: Workload, slo: SLO, conne
                   sp.ttft_ms, sp.tpot_ms, label, True, sp, pre, dec, connector)
 
 
-def split_options(spec: ModelSpec, hw: Hardware, plan_for: Callable[[Hardware], Any],
+def split_options(spec: ModelSpec, hw: Hardware, plan_for: Callable[[Hardware, str], Any],
                   w: Workload, slo: SLO, connector: str, version: str
                   ) -> tuple[list[Option], list[str]]:
-    """Every xPyD candidate within `hw`, and why pairings were dropped (connector rules)."""
-    plans = []
+    """Every xPyD candidate within `hw`, and why pairings were dropped (connector rules).
+    `plan_for(hardware, role)` plans one replica of a pool (the same search as aggregated)."""
+    plans: dict[str, list[Any]] = {role: [] for role in connectors.ROLES}
     for g in replica_sizes(hw):
-        p = plan_for(replica_hardware(hw, g))
-        if p.fits and p.performance is not None:
-            plans.append(p)
+        for role in connectors.ROLES:
+            try:
+                p = plan_for(replica_hardware(hw, g), role)
+            except InputError:  # e.g. a pinned pool TP these GPUs cannot hold
+                continue
+            if p.fits and p.performance is not None:
+                plans[role].append(p)
     out, refused = [], []
     mla = spec.attention.startswith("mla")
-    for pre in plans:
-        for dec in plans:
+    for pre in plans["prefill"]:
+        for dec in plans["decode"]:
             try:
                 connectors.check(connector, version, pre.chosen.layout.tp,
                                  dec.chosen.layout.tp, mla)
@@ -198,7 +203,7 @@ def choose(agg: Option | None, splits: list[Option], mode: str, objective: str, 
     if other is None:
         why = ("no split of these GPUs meets the SLO" if winner.kind == "aggregated"
                else "the aggregated plan does not fit")
-        text = f"deployment {winner.kind} ({winner.label}): {why}"
+        text = f"deployment {winner.kind} {winner.label}: {why}"
     else:
         a, b = winner.figure(objective, w), other.figure(objective, w)
         ratio = (b / a if objective == "latency" else a / b) if a and b else math.inf
@@ -208,7 +213,7 @@ def choose(agg: Option | None, splits: list[Option], mode: str, objective: str, 
             how = (f"{-a:,.0f} ms end to end vs {-b:,.0f} ms")
         else:
             how = f"{winner.per_gpu:,.1f} output tok/s per GPU vs {other.per_gpu:,.1f}"
-        text = (f"deployment {winner.kind}{forced}: {winner.label}, {how} for the runner-up "
+        text = (f"deployment {winner.kind} {winner.label}{forced}: {how} for the runner-up, "
                 f"{other.kind} {other.label} ({ratio:.2f}x)")
     return Choice(winner, other, (D.Reason("deployment.chosen", text, data),))
 
@@ -279,8 +284,11 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
                          round(rate * w.output_len, 2), round(rate, 4))
             perf = _perf(at, single, "decode", ("requests/s of the pool at the TPOT SLO, "
                                                 f"de-rated by {disagg.DECODE_DERATE}",))
+        engine = pool.engine
+        if role == "decode" and base.objective != "throughput":  # hold the TPOT SLO
+            engine = dataclasses.replace(engine, max_num_seqs=max(1, math.floor(d1.running)))
         pools.append(dataclasses.replace(pool, role=role, replicas=n, env={**pool.env, **env},
-                                         performance=perf, transfer=xfer))
+                                         engine=engine, performance=perf, transfer=xfer))
     notes = (f"rate-matched {sp.prefill_replicas}P{sp.decode_replicas}D: "
              f"{sp.bound} binds; the KV hand-off moves {sp.transfer.bytes_per_gpu / 1e6:,.1f} "
              f"MB per GPU over {sp.transfer.path} in {sp.transfer.seconds * 1e3:.2f} ms",) + (
@@ -303,7 +311,8 @@ class Planned:
 def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "auto",
                     connector: str | None = None, workload: Workload | None = None,
                     objective: str | None = None, slo: SLO | None = None,
-                    concurrency: int | None = None) -> Planned:
+                    concurrency: int | None = None, prefill_tp: int | None = None,
+                    decode_tp: int | None = None) -> Planned:
     """Plan `spec` on `hw` aggregated and, unless `mode` is off, split into prefill and decode
     pools; the Deployment of the one the objective prefers (`on`: the best split)."""
     from ..inputs.workload import resolve_workload
@@ -313,19 +322,29 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
         raise InputError(f"--disaggregate must be one of {', '.join(MODES)}, got '{mode}'")
     if mode == "on":
         refuse_unsplittable(hw)
-    goals = {"workload": workload or resolve_workload(), "objective": objective, "slo": slo}
+    # A pool's replica is searched without the aggregated knee's cap on max-num-seqs (that cap
+    # holds TTFT against prefill interference, which a pool does not have): the decode pool's
+    # batch at the TPOT SLO is disagg.decode_pool's, and becomes its max-num-seqs.
+    goals = {"workload": workload or resolve_workload(), "objective": "throughput", "slo": slo}
     agg = make_plan(spec, hw, pins, workload=goals["workload"], objective=objective, slo=slo,
                     concurrency=concurrency)
     w, s, obj = agg.workload, agg.slo, agg.objective
     name = connector or default_connector(hw)
     if connector is not None or mode == "on":  # an asked-for connector the version lacks
         connectors.check(name, agg.vllm_version, 1, 1, True)
+    if prefill_tp and decode_tp:  # a pinned pairing the connector cannot move: say so now
+        connectors.check(name, agg.vllm_version, prefill_tp, decode_tp,
+                         spec.attention.startswith("mla"))
+    tps = {"prefill": prefill_tp, "decode": decode_tp}
+
+    def plan_for(h: Hardware, role: str) -> Any:
+        pinned = dataclasses.replace(pins, tp=tps[role]) if tps[role] else pins
+        return make_plan(spec, h, pinned, suggest=False, **goals)
+
     splits: list[Option] = []
     refused: list[str] = []
     if mode != "off" and not hw.is_cpu:
-        splits, refused = split_options(
-            spec, hw, lambda h: make_plan(spec, h, pins, suggest=False, **goals), w, s, name,
-            agg.vllm_version)
+        splits, refused = split_options(spec, hw, plan_for, w, s, name, agg.vllm_version)
     if mode == "on" and not splits:
         if refused:
             raise InputError(refused[0])

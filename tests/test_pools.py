@@ -1,0 +1,263 @@
+"""Disaggregated deployments in the typed plan (launcher/predict/pools.py): the choice between
+aggregated and xPyD candidates, the JSON of the two pools, and bad input in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import random
+
+import pytest
+from click.testing import CliRunner
+from schema_check import schema_errors
+
+from launcher.cli import cli
+from launcher.deployment.argv import KV_TRANSFER_FLAG, engine_argv, pool_argv
+from launcher.deployment.codec import dump, load
+from launcher.inputs.hardware import parse_gpus
+from launcher.inputs.model import load_model
+from launcher.inputs.workload import SLO, Workload
+from launcher.predict import disagg, pools
+from launcher.predict.planner import Pins
+
+VERSION = "0.32.0"
+RELAXED = SLO(ttft_ms=10_000, tpot_ms=50)
+
+
+# ---- the load the TTFT SLO allows (disagg.split with an SLO) -----------------------------------
+
+
+def test_a_split_is_run_at_the_load_that_meets_its_ttft():
+    p = disagg.PrefillPool(requests_per_s=10.0, prompt_s=0.2, gpus=8)
+    d = disagg.DecodePool(requests_per_s=4.0, running=64, tpot_ms=30.0, first_step_s=0.03,
+                          gpus=8)
+    w, x = Workload(4000, 1000), disagg.Transfer(1e8, "rdma", 0.01, 5.0)
+    free = disagg.split(p, d, w, x, 1, 3)
+    assert free.ttft_ms == pytest.approx(1140.0)  # 0.9 s queue at rho 0.9 + 0.24 s
+    held = disagg.split(p, d, w, x, 1, 3, ttft_slo_ms=640.0)
+    # budget 0.64 - 0.24 = 0.4 s of queue: rho <= 2 x 0.4 / (0.2 + 2 x 0.4) = 0.8, 8 req/s;
+    # then the wait is 0.8 / (2 x 0.2) x 0.2 = 0.4 s and TTFT is exactly the SLO
+    assert held.requests_per_s == pytest.approx(8.0)
+    assert held.ttft_ms == pytest.approx(640.0)
+    assert held.bound == "ttft" and held.output_tokens_per_s == pytest.approx(8000.0)
+    assert disagg.split(p, d, w, x, 1, 3, ttft_slo_ms=5000.0) == free  # no need to lower
+
+
+def test_a_lowered_split_meets_its_ttft_and_never_gains_rate():
+    rng = random.Random(26)
+    for _ in range(500):
+        p = disagg.PrefillPool(rng.uniform(0.1, 50), rng.uniform(0.01, 3), rng.choice([1, 8]))
+        d = disagg.DecodePool(rng.uniform(0.1, 50), 16, rng.uniform(5, 60),
+                              rng.uniform(0.005, 0.1), rng.choice([1, 8]))
+        w = Workload(rng.randint(64, 32768), rng.randint(16, 2048))
+        x = disagg.Transfer(1e8, "nvlink", rng.uniform(0, 0.05), 0.0)
+        a, b = rng.randint(1, 8), rng.randint(1, 8)
+        slo = rng.uniform(100, 20_000)
+        free, held = disagg.split(p, d, w, x, a, b), disagg.split(p, d, w, x, a, b, slo)
+        assert held.requests_per_s <= free.requests_per_s + 1e-12
+        if p.prompt_s + x.seconds + d.first_step_s < slo / 1e3:  # reachable at some load
+            assert held.ttft_ms <= slo + 1e-6
+
+
+# ---- choosing: the objective's figure, ties to one pool ----------------------------------------
+
+
+def _option(kind: str, gpus: int, tok_s: float, ttft: float, tpot: float, meets=True):
+    return pools.Option(kind, gpus, tok_s / 256, tok_s, ttft, tpot, kind, meets)
+
+
+def test_auto_takes_the_better_figure_and_ties_stay_aggregated():
+    rng = random.Random(7)
+    w = Workload(2048, 256)
+    for _ in range(400):
+        agg = _option("aggregated", 8, rng.uniform(100, 9000), rng.uniform(50, 3000),
+                      rng.uniform(5, 60), rng.random() > 0.2)
+        splits = [_option("disaggregated", rng.randint(2, 16), rng.uniform(100, 9000),
+                          rng.uniform(50, 3000), rng.uniform(5, 60))
+                  for _ in range(rng.randint(0, 4))]
+        for objective in ("balanced", "throughput", "latency"):
+            c = pools.choose(agg, splits, "auto", objective, w)
+            best = max([agg, *splits], key=lambda o: o.figure(objective, w))
+            assert c.winner.figure(objective, w) == best.figure(objective, w)
+            if splits and best.figure(objective, w) == agg.figure(objective, w):
+                assert c.winner is agg  # a tie keeps one pool
+            (r,) = c.reasons
+            assert r.code == "deployment.chosen" and r.data["winner"]["deployment"] == \
+                c.winner.kind
+            if c.runner_up is not None:
+                a, b = c.winner.figure(objective, w), c.runner_up.figure(objective, w)
+                ratio = b / a if objective == "latency" else a / b
+                assert r.data["ratio"] == pytest.approx(round(ratio, 3))
+            assert pools.choose(agg, splits, "off", objective, w).winner is agg
+            on = pools.choose(agg, splits, "on", objective, w).winner
+            assert on is (max(splits, key=lambda o: o.figure(objective, w)) if splits else agg)
+
+
+def test_per_gpu_counts_every_gpu_of_both_pools():
+    o = _option("disaggregated", 12, 6000.0, 500, 20)
+    assert o.per_gpu == 500.0  # 6,000 tok/s over 12 GPUs
+    assert o.figure("latency", Workload(1000, 101)) == -(500 + 100 * 20)
+
+
+def test_replica_sizes_leave_room_for_the_other_pool():
+    for gpus in ("2xH100", "4xH100", "8xH100", "2x8xH100", "4x8xH200", "8x8xH200", "3xL40S"):
+        hw = parse_gpus(gpus)
+        sizes = pools.replica_sizes(hw)
+        assert sizes and all(2 * g <= hw.count for g in sizes), gpus
+        for g in sizes:
+            h = pools.replica_hardware(hw, g)
+            assert h.count == g and (g <= hw.gpus_per_node or g % hw.gpus_per_node == 0)
+    assert pools.replica_sizes(parse_gpus("1xH100")) == []
+
+
+# ---- the Deployment of two pools ---------------------------------------------------------------
+
+CASES = [(m, g, i, o) for m, g in [("llama-3.1-8b", "8xH100"), ("llama-3.1-8b", "2x8xH200"),
+                                   ("llama-3.1-70b", "8xH200"), ("qwen3-8b", "4xA100-80GB"),
+                                   ("deepseek-r1", "2x8xH200"), ("deepseek-v2-lite", "8xH100"),
+                                   ("r1-distill-qwen-14b", "8xMI300X")]
+         for i, o in [(2048, 256), (16384, 512)]]
+
+
+@functools.cache
+def _planned(model: str, gpus: str, inp: int, out: int, mode: str = "on") -> pools.Planned:
+    return pools.plan_deployment(load_model(model), parse_gpus(gpus),
+                                 Pins(vllm_version=VERSION), mode=mode,
+                                 workload=Workload(inp, out), slo=RELAXED)
+
+
+@pytest.mark.parametrize("model,gpus,inp,out", CASES)
+def test_a_disaggregated_plan_round_trips_and_says_its_pools(model, gpus, inp, out):
+    r = _planned(model, gpus, inp, out)
+    d = r.deployment
+    assert d.kind == "disaggregated" and [p.role for p in d.pools] == ["prefill", "decode"]
+    j = json.loads(json.dumps(dump(d)))
+    assert load(j) == d
+    assert schema_errors("plan", j) == []
+    assert j["deployment"] == "disaggregated"
+    sp = r.choice.winner.split
+    assert [p["replicas"] for p in j["pools"]] == [sp.prefill_replicas, sp.decode_replicas]
+    assert d.gpus == sp.gpus <= d.hardware.count
+    for p, raw in zip(d.pools, j["pools"], strict=True):
+        t = p.transfer
+        assert raw["vllm_args"] == pool_argv(p) == [*engine_argv(p.engine), KV_TRANSFER_FLAG,
+                                                    raw["vllm_args"][-1]]
+        cfg = json.loads(raw["vllm_args"][-1])
+        assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                       "kv_buffer_device": "cuda"} == dict(t.config)
+        assert raw["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] and \
+            int(raw["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) >= 5600
+        assert ("UCX_NET_DEVICES" in raw["env"]) == (t.path == "rdma") == (d.hardware.nodes > 1)
+        assert raw["transfer"]["bytes_per_gpu"] == round(sp.transfer.bytes_per_gpu)
+    # the top-level keys scripts read are the first (prefill) pool's
+    for key in ("kv_cache", "per_gpu", "env", "vllm_args"):
+        assert j[key] == j["pools"][0][key], key
+    # the deployment's own figures: rate x output length, over every GPU of both pools
+    perf = j["performance"]
+    assert perf["at"]["output_tokens_per_s"] == pytest.approx(
+        perf["at"]["requests_per_s"] * out, rel=1e-3)
+    assert perf["gpus"] == d.gpus
+    assert perf["output_tokens_per_s_per_gpu"] == pytest.approx(
+        sp.output_tokens_per_s / sp.gpus, abs=0.01)
+    assert perf["at"]["tpot_ms"] == pytest.approx(sp.tpot_ms, abs=1e-3)
+    assert perf["at"]["tpot_ms"] == j["pools"][1]["performance"]["at"]["tpot_ms"]
+    assert perf["at"]["ttft_ms"] <= RELAXED.ttft_ms
+    # TTFT = queue + prefill + hand-off + decode's first step: at least the last three
+    pre = d.pools[0].performance.single_request.ttft_ms
+    assert perf["at"]["ttft_ms"] >= pre + sp.transfer.seconds * 1e3 - 0.01
+    # the decode pool's engines are capped at the batch that holds the TPOT SLO
+    dec = pools.disagg.decode_pool(r.choice.winner.decode.performance.shape, Workload(inp, out),
+                                   RELAXED)
+    assert d.pools[1].engine.max_num_seqs == max(1, math.floor(dec.running))
+    (why,) = [x for x in d.reasons if x.code == "deployment.chosen"]
+    assert why.data["winner"]["deployment"] == "disaggregated"
+    assert why.data["runner_up"] is None or why.data["runner_up"]["deployment"] == "aggregated"
+
+
+@pytest.mark.parametrize("model,gpus,inp,out", CASES[::2])
+def test_auto_picks_the_better_of_the_two_plans(model, gpus, inp, out):
+    auto = _planned(model, gpus, inp, out, "auto")
+    on = _planned(model, gpus, inp, out, "on")
+    a, s = pools.aggregated_option(auto.aggregated), on.choice.winner
+    w = Workload(inp, out)
+    want = "disaggregated" if s.figure("balanced", w) > a.figure("balanced", w) else "aggregated"
+    assert auto.deployment.kind == want
+
+
+def test_short_prompts_stay_aggregated():
+    """200 in / 200 out (llm-d: P/D is not for short sequences): the de-rates (0.9, 0.92) cost
+    a split more than the prefill interference it removes."""
+    for model, gpus in (("llama-3.1-8b", "8xH100"), ("llama-3.1-70b", "8xH200")):
+        r = pools.plan_deployment(load_model(model), parse_gpus(gpus),
+                                  Pins(vllm_version=VERSION), workload=Workload(200, 200))
+        assert r.deployment.kind == "aggregated", model
+        (why,) = [x for x in r.deployment.reasons if x.code == "deployment.chosen"]
+        assert why.data["runner_up"]["deployment"] == "disaggregated"
+        assert why.data["ratio"] > 1
+
+
+def test_off_is_todays_plan_plus_its_reason():
+    from launcher.predict.planner import make_plan
+
+    spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")
+    r = pools.plan_deployment(spec, hw, Pins(vllm_version=VERSION), mode="off")
+    today = make_plan(spec, hw, Pins(vllm_version=VERSION)).deployment()
+    assert dataclasses.replace(r.deployment, reasons=today.reasons) == today
+    assert [x.code for x in r.deployment.reasons][-1] == "deployment.chosen"
+
+
+# ---- bad input: one line, exit 2 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--disaggregate", "on", "--gpus", "1xH100"], "needs at least 2 GPUs"),
+    (["--kv-connector", "P2pNcclConnector", "--gpus", "8xH100"], "has no P2pNcclConnector"),
+    (["--kv-connector", "NoSuchConnector", "--gpus", "8xH100"], "unknown KV connector"),
+    (["--prefill-tp", "4", "--decode-tp", "2", "--gpus", "8xH100"], "decode TP >= 4"),
+    (["--prefill-tp", "2", "--decode-tp", "4", "--kv-connector", "MooncakeConnector",
+      "--gpus", "8xH100"], "same tensor-parallel size"),
+    (["--disaggregate", "on", "--emit", "DIR", "--gpus", "8xH100"], "not emitted per pool"),
+])
+def test_bad_disaggregation_input_is_one_line(args, says, tmp_path):
+    args = [str(tmp_path) if a == "DIR" else a for a in args]
+    r = CliRunner().invoke(cli, ["plan", "llama-3.1-8b", "--vllm-version", VERSION, *args])
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and says in lines[0], r.output
+
+
+def test_exec_refuses_a_disaggregated_plan_in_one_line(tmp_path):
+    r = CliRunner().invoke(cli, ["plan", "llama-3.1-8b", "--gpus", "8xH100", "--vllm-version",
+                                 VERSION, "--disaggregate", "on", "--format", "json", "-o",
+                                 str(tmp_path / "plan.json")])
+    assert r.exit_code == 0, r.output
+    j = json.loads((tmp_path / "plan.json").read_text())
+    assert j["deployment"] == "disaggregated"
+    r = CliRunner().invoke(cli, ["exec", "--plan", str(tmp_path / "plan.json"), "--dry-run",
+                                 "--no-metrics"])
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "disaggregated" in lines[0], r.output
+
+
+def test_the_text_shows_both_pools_and_their_commands():
+    r = CliRunner().invoke(cli, ["plan", "llama-3.1-8b", "--gpus", "8xH100", "--vllm-version",
+                                 VERSION, "--disaggregate", "on", "--input-len", "8192"])
+    assert r.exit_code == 0, r.output
+    for piece in ("prefill:", "decode:", "KV hand-off: NixlConnector over nvlink",
+                  "VLLM_NIXL_SIDE_CHANNEL_PORT=5600", "VLLM_NIXL_SIDE_CHANNEL_PORT=5608",
+                  "deployment disaggregated"):
+        assert piece in r.output, piece
+    assert r.output.count(KV_TRANSFER_FLAG) == 2
+
+
+def test_every_pairing_the_sweep_emits_passes_the_connector_rules():
+    from launcher.predict import connectors
+
+    for (model, gpus, inp, out), name in itertools.product(CASES, ["NixlConnector"]):
+        d = _planned(model, gpus, inp, out).deployment
+        tp = [p.engine.parallel.tp for p in d.pools]
+        connectors.check(name, VERSION, tp[0], tp[1], d.model.attention.startswith("mla"))

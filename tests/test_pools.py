@@ -261,3 +261,71 @@ def test_every_pairing_the_sweep_emits_passes_the_connector_rules():
         d = _planned(model, gpus, inp, out).deployment
         tp = [p.engine.parallel.tp for p in d.pools]
         connectors.check(name, VERSION, tp[0], tp[1], d.model.attention.startswith("mla"))
+
+
+# ---- capacity: disaggregated options priced beside aggregated ones -----------------------------
+
+
+def test_capacity_units_gpus_and_bill_are_the_units_arithmetic():
+    from launcher.predict import capacity, capacity_pd
+    from launcher.predict.prices import PriceBook
+
+    spec, w = load_model("llama-3.1-70b"), Workload(8192, 256)
+    book = PriceBook(flat={"H200": 3.0})
+    for rps, headroom, spare in ((5.0, 0.2, 0), (40.0, 0.0, 1), (0.3, 0.5, 2)):
+        load = capacity.Load(rps=rps)
+        o = capacity_pd.evaluate(spec, "8xH200", load, w, RELAXED, Pins(vllm_version=VERSION),
+                                 book, headroom, spare)
+        u = o["per_unit"]
+        units = math.ceil(rps * (1 + headroom) / u["requests_per_s"] - 1e-6) + spare
+        assert o["units"] == units  # within the per-unit figure's rounding
+        assert o["gpus_total"] == units * u["gpus"]
+        assert o["monthly_usd"] == round(3.0 * o["gpus_total"] * capacity.HOURS_PER_MONTH)
+        assert sum(p["replicas"] * p["gpus_per_replica"] for p in o["pools"]) == o["gpus_total"]
+        # users: a unit holds rate x time in the system (Little's law)
+    users = capacity.Load(users=500)
+    o = capacity_pd.evaluate(spec, "8xH200", users, w, RELAXED, Pins(vllm_version=VERSION), book,
+                             0.0, 0)
+    u = o["per_unit"]
+    held = u["requests_per_s"] * (u["ttft_ms"] + 255 * u["tpot_ms"]) / 1e3
+    assert u["concurrency"] == pytest.approx(held, rel=1e-3)
+    assert o["units"] == math.ceil(500 / held - 1e-6)
+
+
+def test_capacity_verdict_names_the_cheaper_deployment():
+    from launcher.predict import capacity_pd
+
+    def opt(usd, gpus):
+        return {"gpus": f"{gpus}", "units": 1, "gpus_total": gpus, "monthly_usd": usd}
+
+    rng = random.Random(3)
+    for _ in range(300):
+        options = [opt(rng.choice([None, rng.randint(1000, 90000)]), rng.randint(2, 64))
+                   for _ in range(rng.randint(1, 4))]
+        rec = {"monthly_usd": rng.choice([None, rng.randint(1000, 90000)]),
+               "gpus_total": rng.randint(1, 64)}
+        v = capacity_pd.verdict(options, rec)
+        best = min(options, key=lambda o: (o["monthly_usd"] is None, o["monthly_usd"] or 0,
+                                           o["gpus_total"]))
+        by = "monthly_usd" if best["monthly_usd"] is not None and rec["monthly_usd"] is not None \
+            else "gpus_total"
+        assert v["by"] == by
+        assert v["wins"] == ("disaggregated" if best[by] < rec[by] else "aggregated")
+        assert v["ratio"] == pytest.approx(round(max(best[by], rec[by]) / min(best[by], rec[by]),
+                                                 3))
+    assert capacity_pd.verdict([], None)["wins"] is None
+
+
+def test_capacity_json_prices_both_and_off_leaves_them_out():
+    base = ["capacity", "llama-3.1-70b", "--rps", "10", "--input-len", "8192", "--output-len",
+            "256", "--slo", "ttft=10s,tpot=50ms", "--gpus", "8xH200", "--vllm-version", VERSION,
+            "--format", "json"]
+    r = CliRunner().invoke(cli, base)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert schema_errors("capacity", d) == []
+    (o,) = d["disaggregated"]["options"]
+    assert [p["role"] for p in o["pools"]] == ["prefill", "decode"] and o["units"] >= 1
+    assert d["disaggregated"]["verdict"]["wins"] in ("aggregated", "disaggregated")
+    r = CliRunner().invoke(cli, [*base, "--disaggregate", "off"])
+    assert r.exit_code == 0 and "disaggregated" not in json.loads(r.output)

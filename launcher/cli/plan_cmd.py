@@ -236,12 +236,17 @@ def _fit(text: str) -> str:
 @format_option("text: a table for people; json: for scripts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
+@click.option("--disaggregate", type=click.Choice(["auto", "on", "off"]), default="auto",
+              show_default=True,
+              help="auto/on: also price each option as prefill and decode pools and say which "
+                   "wins; off: aggregated options only.")
 def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float | None,
                  gpu_options: tuple[str, ...],
                  prices: tuple[str, ...], prices_file: str | None, mix: bool,
                  lengths_file: str | None, headroom: float, spare: int,
                  max_model_len: int | None, vllm_version: str | None,
-                 speculative: bool | None, fmt: str, plot_path: str | None, **kw) -> None:
+                 speculative: bool | None, fmt: str, plot_path: str | None, disaggregate: str,
+                 **kw) -> None:
     """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s).
 
     Each option's replica is the plan `vlaunch plan` makes for it. Exit 0 with a
@@ -271,6 +276,11 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
         d = mixing.plan_capacity_mix(*args, objective=goals["objective"], lengths=lengths_file)
     else:
         d = capacity.plan_capacity(*args, objective=goals["objective"])
+        if disaggregate != "off":
+            from ..predict.capacity_pd import add_disaggregated
+
+            add_disaggregated(d, spec, load, goals["workload"], goals["slo"], book, headroom,
+                              spare, args[-1])
     if plot_path:
         from ..plot import capacity_plot
 
@@ -281,6 +291,10 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
         from .. import term
 
         click.echo(capacity.render(d, term.width()))
+        if "disaggregated" in d:
+            from ..predict.capacity_pd import render_lines
+
+            click.echo(_fit("\n".join(render_lines(d))))
         if mix:
             click.echo("\n".join(mixing.render_mix(d["mix"], term.width())))
     if d["recommended"] is None:

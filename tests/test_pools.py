@@ -329,3 +329,33 @@ def test_capacity_json_prices_both_and_off_leaves_them_out():
     assert d["disaggregated"]["verdict"]["wins"] in ("aggregated", "disaggregated")
     r = CliRunner().invoke(cli, [*base, "--disaggregate", "off"])
     assert r.exit_code == 0 and "disaggregated" not in json.loads(r.output)
+
+
+# ---- the exporter knows a pool's role ----------------------------------------------------------
+
+
+def _series(exp) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(exp.render().decode()) for s in f.samples}
+
+
+def test_the_exporter_labels_a_pools_series_with_its_role_and_its_figures():
+    from launcher.errors import InputError
+    from launcher.observe import exporter as ex
+
+    d = _planned("llama-3.1-8b", "8xH100", 2048, 256).deployment
+    for role, pool in (("prefill", d.pools[0]), ("decode", d.pools[1]), (None, d.pools[0])):
+        s = _series(ex.Exporter(None, plan=d, gpu_reader=None, role=role))
+        want = role or "prefill"
+        mine = [k for k in s if k[0].startswith("vlaunch_")]
+        assert mine and all(("role", want) in labels for _, labels in mine)
+        kv = s[("vlaunch_plan_memory_bytes",
+                frozenset({"component": "kv_cache", "role": want}.items()))]
+        assert kv == pool.per_gpu.kv_cache_bytes
+    agg = _planned("llama-3.1-8b", "8xH100", 2048, 256, "off").deployment
+    s = _series(ex.Exporter(None, plan=agg, gpu_reader=None))
+    assert not any("role" in dict(labels) for name, labels in s if name.startswith("vlaunch_"))
+    with pytest.raises(InputError, match="no decode pool"):
+        ex.Exporter(None, plan=agg, gpu_reader=None, role="decode")

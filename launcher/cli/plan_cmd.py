@@ -33,17 +33,21 @@ from .options import pins as _pins
               help="Seconds allowed for each fetch of vLLM's /metrics.")
 @click.option("--cache-ttl", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
               help="Seconds a fetch of vLLM's /metrics is reused across scrapes.")
+@click.option("--role", type=click.Choice(["prefill", "decode"]),
+              help="The pool of a disaggregated plan this engine is (default: the first); its "
+                   "series carry the label role.")
 @format_option("text: what it serves, one line each; json: the same as JSON lines "
                "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
-                 cache_ttl: float, fmt: str) -> None:
+                 cache_ttl: float, role: str | None, fmt: str) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from ..observe import exporter
     from ..run.emit import load_plan, startup_deadline_s
 
     plan = load_plan(plan_path) if plan_path else None
     exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl,
-                            startup_timeout_s=startup_deadline_s if plan else None)
+                            startup_timeout_s=startup_deadline_s if plan else None,
+                            role=role)
     if fmt == "json":
         import json
 

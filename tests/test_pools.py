@@ -359,3 +359,75 @@ def test_the_exporter_labels_a_pools_series_with_its_role_and_its_figures():
     assert not any("role" in dict(labels) for name, labels in s if name.startswith("vlaunch_"))
     with pytest.raises(InputError, match="no decode pool"):
         ex.Exporter(None, plan=agg, gpu_reader=None, role="decode")
+
+
+# ---- the doctor says which pool failed ---------------------------------------------------------
+
+KV_REPR = ("KVTransferConfig(kv_connector='NixlConnector', engine_id='712be476', "
+           "kv_buffer_device='cuda', kv_role='{role}', kv_port=14579, "
+           "kv_connector_extra_config={{}}, kv_connector_module_path=None, "
+           "enable_permute_local_kv=False, kv_load_failure_policy='fail')")
+
+
+def _pd_log(path, args: dict, kv_role: str):
+    """A failed P/D engine's log as vLLM 0.32 writes it: the config object printed as its repr
+    among the non-default args (api_utils.py logs the parsed namespace)."""
+    text = repr(args)[:-1] + ", 'kv_transfer_config': " + KV_REPR.format(role=kv_role) + "}"
+    path.write_text(
+        "(APIServer pid=1) INFO 11-30 10:00:01 [api_utils.py:347] vLLM API server version 0.32.0\n"
+        f"(APIServer pid=1) INFO 11-30 10:00:02 [api_utils.py:286] non-default args: {text}\n"
+        "(EngineCore pid=2) ERROR 11-30 10:00:09 [core.py:1010] ValueError: No available "
+        "memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+        "initializing the engine.\n")
+    return path
+
+
+@pytest.mark.parametrize("kv_role,name,role", [
+    ("kv_producer", "vllm.log", "prefill"), ("kv_consumer", "vllm.log", "decode"),
+    ("kv_both", "vllm-decode.log", "decode"), ("kv_both", "vllm-prefill.log", "prefill"),
+    ("kv_both", "vllm.log", None)])
+def test_the_doctor_reads_the_connector_and_names_the_pool(tmp_path, kv_role, name, role):
+    from launcher.observe import doctor
+
+    log = _pd_log(tmp_path / name, {"model": "meta-llama/Llama-3.1-8B-Instruct",
+                                    "max_num_seqs": 8, "gpu_memory_utilization": 0.5}, kv_role)
+    report, _ = doctor.diagnose(str(log))
+    d = report.root
+    assert report.facts.arg("max_num_seqs") == 8  # the other args still read
+    assert d.numbers["pool"] == {"role": role, "connector": "NixlConnector", "kv_role": kv_role,
+                                 "how": d.numbers["pool"]["how"]}
+    said = d.explain[0]
+    assert "NixlConnector" in said and (f"the {role} pool" in said if role else "--plan" in said)
+
+
+def test_with_its_plan_the_doctor_finds_the_pool_by_the_engines_shape(tmp_path):
+    from launcher.observe import doctor
+
+    dep = _planned("llama-3.1-8b", "8xH100", 16384, 512).deployment
+    for pool in dep.pools:
+        e = pool.engine
+        others = [p for p in dep.pools if p is not pool]
+        if any(p.engine.max_num_seqs == e.max_num_seqs and
+               p.engine.max_num_batched_tokens == e.max_num_batched_tokens and
+               p.engine.parallel == e.parallel for p in others):
+            continue  # two pools alike cannot be told apart by their args
+        log = _pd_log(tmp_path / "engine.log",
+                      {"model": e.model, "max_num_seqs": e.max_num_seqs,
+                       "max_num_batched_tokens": e.max_num_batched_tokens,
+                       "tensor_parallel_size": e.parallel.tp}, "kv_both")
+        d = doctor.diagnose(str(log), plan=dep)[0].root
+        assert d.numbers["pool"]["role"] == pool.role
+        assert "plan's pool" in d.numbers["pool"]["how"]
+
+
+def test_a_config_repr_is_read_as_its_fields_and_nothing_runs():
+    import ast as _ast
+
+    from launcher.inputs.vllm_failures import config_reprs_as_dicts
+    text = "{'a': 1, 'kv_transfer_config': KVTransferConfig(kv_connector='X', kv_role=" \
+           "'kv_both', f=__import__('os').system('x'), g=(1, 2)), 'b': 'KVTransferConfig(('}"
+    got = _ast.literal_eval(config_reprs_as_dicts(text))
+    assert got == {"a": 1, "kv_transfer_config": {"kv_connector": "X", "kv_role": "kv_both",
+                                                   "g": (1, 2)}, "b": "KVTransferConfig(("}
+    unbalanced = "{'kv_transfer_config': KVTransferConfig(kv_connector='X'"
+    assert config_reprs_as_dicts(unbalanced) == unbalanced

@@ -306,11 +306,12 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     if plan_path:
         from ..run.emit import load_plan
 
-        ctx = doctor.context_from_plan(load_plan(plan_path))
+        dep = load_plan(plan_path)
+        ctx = doctor.context_from_plan(dep)
     elif model:
         goals = split_goals(kw)
         ctx = doctor.context_from_model(model, gpus, _pins(**kw), goals, _hardware(gpus))
-    report, names = doctor.diagnose(source, ctx)
+    report, names = doctor.diagnose(source, ctx, plan=dep if plan_path else None)
     if fmt == "json":
         click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
     else:

@@ -38,6 +38,7 @@ from ..predict.plan_inputs import inputs_from_plan
 from ..predict.planner import Pins, make_plan
 from ..predict.replan import merge_args, replan_pins
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
+from .pool_role import note, pool_of
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
 
@@ -793,11 +794,14 @@ def explain_log(text: str) -> Diagnosis | None:
     return report.root
 
 
-def diagnose(source: str, ctx: PlanContext | None = None,
-             stdin: TextIO | None = None) -> tuple[Report, list[str]]:
+def diagnose(source: str, ctx: PlanContext | None = None, stdin: TextIO | None = None,
+             plan: Deployment | None = None) -> tuple[Report, list[str]]:
     """Read a log (file, folder or "-"), diagnose it, and compute each fix."""
     report, names = scan_source(source, stdin)
     apply_log_fixes(report)
+    if report.root is not None and (pd := pool_of(report.facts, plan, names)) is not None:
+        report.root.explain.insert(0, note(pd))
+        report.root.numbers["pool"] = pd
     ctx = ctx or context_from_log(report)
     if ctx is not None:
         apply_plan_fixes(report, ctx)

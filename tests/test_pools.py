@@ -431,3 +431,27 @@ def test_a_config_repr_is_read_as_its_fields_and_nothing_runs():
                                                    "g": (1, 2)}, "b": "KVTransferConfig(("}
     unbalanced = "{'kv_transfer_config': KVTransferConfig(kv_connector='X'"
     assert config_reprs_as_dicts(unbalanced) == unbalanced
+
+
+def test_each_pool_gets_deepeps_kernel_for_its_role(monkeypatch):
+    """Across nodes, DeepEP's high-throughput kernels prefill and its low-latency ones decode
+    (vLLM expert_parallel_deployment.md); the aggregated search picks one by objective and
+    workload, so a pool's replica is re-planned with its role's kernel; a pin is kept."""
+    from launcher.predict.ep_backend import IMAGE_PACKAGES_ENV
+    from launcher.predict.planner import make_plan
+
+    monkeypatch.setenv(IMAGE_PACKAGES_ENV, "deep_ep,nvshmem")
+    spec, hw = load_model("deepseek-r1"), parse_gpus("2x8xH200")
+    wide = Pins(tp=8, dp=2, expert_parallel=True, vllm_version=VERSION)
+    for objective, w in (("throughput", Workload(8192, 256)), ("balanced", Workload(1024, 1024))):
+        p = make_plan(spec, hw, wide, suggest=False, workload=w, objective=objective)
+        got = p.serving.ep.backend
+        assert got in pools.ROLE_ALL2ALL.values()
+        for role, want in pools.ROLE_ALL2ALL.items():
+            assert pools.role_all2all(p, role, wide) == (None if got == want else want)
+            pinned = dataclasses.replace(wide, all2all_backend=got)
+            assert pools.role_all2all(p, role, pinned) is None
+            if got != want:
+                again = make_plan(spec, hw, dataclasses.replace(wide, all2all_backend=want),
+                                  suggest=False, workload=w, objective=objective)
+                assert again.serving.ep.backend == want

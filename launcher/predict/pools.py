@@ -36,8 +36,22 @@ from . import connectors, disagg
 from .perf import decode_step_s
 
 MODES = ("auto", "on", "off")
+ROLE_ALL2ALL = {"prefill": "deepep_high_throughput", "decode": "deepep_low_latency"}
+"""DeepEP's kernels by pool where EP crosses nodes (vLLM expert_parallel_deployment.md:
+high-throughput for multi-node prefill, low-latency with CUDA graphs for multi-node decode)."""
 GPU_CONNECTOR = "NixlConnector"
 """What the plan emits on GPUs: the connector llm-d's well-lit P/D paths deploy (pd README)."""
+
+
+def role_all2all(plan: Any, role: str, pins: Any) -> str | None:
+    """The DeepEP kernel to re-plan a pool's replica with, when its search chose DeepEP's
+    other one (the choice it makes for an aggregated engine); None to keep the plan. A backend
+    the user pinned is kept."""
+    ep = plan.serving.ep if plan.serving is not None else None
+    want = ROLE_ALL2ALL[role]
+    if ep is None or pins.all2all_backend is not None or ep.backend == want:
+        return None
+    return want if ep.backend in ROLE_ALL2ALL.values() else None
 
 
 def default_connector(hw: Hardware) -> str:
@@ -339,7 +353,11 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
 
     def plan_for(h: Hardware, role: str) -> Any:
         pinned = dataclasses.replace(pins, tp=tps[role]) if tps[role] else pins
-        return make_plan(spec, h, pinned, suggest=False, **goals)
+        plan = make_plan(spec, h, pinned, suggest=False, **goals)
+        if want := role_all2all(plan, role, pins):
+            plan = make_plan(spec, h, dataclasses.replace(pinned, all2all_backend=want),
+                             suggest=False, **goals)
+        return plan
 
     splits: list[Option] = []
     refused: list[str] = []

@@ -84,11 +84,11 @@ def plan_text(d: P.Deployment) -> str:
         if texts:  # a heading only above something to read
             lines.append(f"  {title}:")
             lines += [f"    - {x}" for x in texts]
-    if d.fits and g.nodes > 1:
+    if d.fits and d.kind == "disaggregated":
+        lines += pool_lines(d)
+    elif d.fits and g.nodes > 1:
         lines += ["  commands (one per node; vlaunch exec builds them from the LeaderWorkerSet "
                   "environment):"] + _node_commands(d)
-    elif d.fits and d.kind == "disaggregated":
-        lines += pool_lines(d)
     elif d.fits:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(dict(pool.env)).items())
         lines.append("  command:")

@@ -139,8 +139,10 @@ def test_a_disaggregated_plan_round_trips_and_says_its_pools(model, gpus, inp, o
     assert schema_errors("plan", j) == []
     assert j["deployment"] == "disaggregated"
     sp = r.choice.winner.split
-    assert [p["replicas"] for p in j["pools"]] == [sp.prefill_replicas, sp.decode_replicas]
-    assert d.gpus == sp.gpus <= d.hardware.count
+    units = d.hardware.count // sp.gpus  # the xPyD unit, as often as the GPUs hold it
+    assert [p["replicas"] for p in j["pools"]] == [units * sp.prefill_replicas,
+                                                   units * sp.decode_replicas]
+    assert d.gpus == units * sp.gpus <= d.hardware.count < (units + 1) * sp.gpus
     for p, raw in zip(d.pools, j["pools"], strict=True):
         t = p.transfer
         assert raw["vllm_args"] == pool_argv(p) == [*engine_argv(p.engine), KV_TRANSFER_FLAG,
@@ -148,8 +150,10 @@ def test_a_disaggregated_plan_round_trips_and_says_its_pools(model, gpus, inp, o
         cfg = json.loads(raw["vllm_args"][-1])
         assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                        "kv_buffer_device": "cuda"} == dict(t.config)
-        assert raw["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] and \
-            int(raw["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) >= 5600
+        assert int(raw["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) >= 5600
+        # one node: loopback; across nodes the pod's own IP, which only the pod knows
+        assert raw["env"].get("VLLM_NIXL_SIDE_CHANNEL_HOST") == (
+            None if t.path == "rdma" else "127.0.0.1")
         assert ("UCX_NET_DEVICES" in raw["env"]) == (t.path == "rdma") == (d.hardware.nodes > 1)
         assert raw["transfer"]["bytes_per_gpu"] == round(sp.transfer.bytes_per_gpu)
     # the top-level keys scripts read are the first (prefill) pool's
@@ -157,6 +161,9 @@ def test_a_disaggregated_plan_round_trips_and_says_its_pools(model, gpus, inp, o
         assert j[key] == j["pools"][0][key], key
     # the deployment's own figures: rate x output length, over every GPU of both pools
     perf = j["performance"]
+    assert ("disaggregate.side_channel_host" in [x.code for x in d.warnings]) == \
+        (t.path == "rdma")
+    assert perf["at"]["requests_per_s"] == pytest.approx(units * sp.requests_per_s, abs=1e-4)
     assert perf["at"]["output_tokens_per_s"] == pytest.approx(
         perf["at"]["requests_per_s"] * out, rel=1e-3)
     assert perf["gpus"] == d.gpus
@@ -455,3 +462,22 @@ def test_each_pool_gets_deepeps_kernel_for_its_role(monkeypatch):
                 again = make_plan(spec, hw, dataclasses.replace(wide, all2all_backend=want),
                                   suggest=False, workload=w, objective=objective)
                 assert again.serving.ep.backend == want
+
+
+def test_a_plan_over_nodes_prints_its_pools_and_the_doctor_takes_it(tmp_path):
+    plan = tmp_path / "plan.json"
+    base = ["plan", "llama-3.1-70b", "--gpus", "2x8xH200", "--vllm-version", VERSION,
+            "--disaggregate", "on", "--input-len", "8192", "--output-len", "256", "--slo",
+            "ttft=10s,tpot=50ms"]
+    r = CliRunner().invoke(cli, [*base, "--format", "json", "-o", str(plan)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, [*base, "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 0, r.output
+    assert "KV hand-off: NixlConnector over rdma" in r.output and "UCX_NET_DEVICES" in r.output
+    assert "nothing drawn" in r.output and not (tmp_path / "p.png").exists()
+    log = _pd_log(tmp_path / "vllm-decode.log", {"model": "meta-llama/Llama-3.1-70B-Instruct"},
+                  "kv_both")
+    r = CliRunner().invoke(cli, ["doctor", str(log), "--plan", str(plan), "--format", "json"])
+    assert r.exit_code == 1, r.output
+    (root, *_) = json.loads(r.output)["diagnoses"]
+    assert root["numbers"]["pool"]["role"] == "decode"

@@ -153,7 +153,11 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
         pins["disaggregate"] = "off"
     dep = build_deployment(model, gpus, revision, **pins)
     if plot_path:
-        if dep.fits:
+        if dep.kind == "disaggregated":
+            click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, a disaggregated "
+                       "plan has one rate-matched operating point, not a curve (its figures "
+                       "are in the text and JSON)", err=True)
+        elif dep.fits:
             from ..plot import plan_plot
 
             plan_plot(dep, plot_path)

@@ -307,7 +307,9 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
         from ..run.emit import load_plan
 
         dep = load_plan(plan_path)
-        ctx = doctor.context_from_plan(dep)
+        # a disaggregated plan names the failed pool (observe/pool_role.py); its fixes are the
+        # log's own until a pool can be re-planned alone
+        ctx = doctor.context_from_plan(dep) if dep.kind == "aggregated" else None
     elif model:
         goals = split_goals(kw)
         ctx = doctor.context_from_model(model, gpus, _pins(**kw), goals, _hardware(gpus))

@@ -235,12 +235,12 @@ def choose(agg: Option | None, splits: list[Option], mode: str, objective: str, 
 # ----------------------------------------------------------------------------- the Deployment
 
 
-def _point(o: Option, w: Workload) -> D.Point:
-    """Little's law: requests in flight = rate x time in the system."""
+def _point(o: Option, w: Workload, units: int = 1) -> D.Point:
+    """`units` copies of `o`; Little's law: requests in flight = rate x time in the system."""
     in_system_s = (o.ttft_ms + max(w.output_len - 1, 0) * o.tpot_ms) / 1e3
-    return D.Point(round(o.requests_per_s * in_system_s, 2), round(o.tpot_ms, 3),
-                   round(o.ttft_ms, 2), round(o.output_tokens_per_s, 2),
-                   round(o.requests_per_s, 4))
+    rate = units * o.requests_per_s
+    return D.Point(round(rate * in_system_s, 2), round(o.tpot_ms, 3), round(o.ttft_ms, 2),
+                   round(units * o.output_tokens_per_s, 2), round(rate, 4))
 
 
 def _perf(at: D.Point, single: D.Point, binding: str, notes: tuple[str, ...]) -> D.Performance:
@@ -251,7 +251,11 @@ def _perf(at: D.Point, single: D.Point, binding: str, notes: tuple[str, ...]) ->
 def _transfer(o: Option, role: str, version: str) -> tuple[D.KVTransfer, dict[str, str]]:
     sp = o.split
     assert sp is not None and o.connector is not None
+    # one node: both pools on loopback; across nodes the side channel is each pod's own
+    # address, known only where it runs (llm-d sets it to the pod IP): left to the launcher
+    one_node = sp.transfer.path != "rdma"
     t = connectors.pool_transfers(o.connector, cpu=o.prefill.hardware.is_cpu,
+                                  host="127.0.0.1" if one_node else "",
                                   store="/var/run/vlaunch-kv" if o.connector ==
                                   "ExampleConnector" else None,
                                   rdma_devices="all" if sp.transfer.path == "rdma" else None
@@ -266,9 +270,14 @@ def _transfer(o: Option, role: str, version: str) -> tuple[D.KVTransfer, dict[st
 def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SLO,
                              reasons: tuple[D.Reason, ...]) -> D.Deployment:
     """The winning split as the Deployment every command reads: the prefill pool first (the
-    JSON's top-level keys mean it), then the decode pool, each with its side of the hand-off."""
+    JSON's top-level keys mean it), then the decode pool, each with its side of the hand-off.
+    Its reasons open with the choice; the aggregated search's own reasons follow (they say why
+    the runner-up aggregated plan is what it is).
+    The xPyD unit is repeated as often as the GPUs given hold it (its per-GPU figures are the
+    unit's; the deployment's rate is the units')."""
     sp = o.split
     assert sp is not None
+    units = max(1, base.hardware.count // sp.gpus)
     version = base.vllm_version
     pre_s, dec_s = o.prefill.performance.shape, o.decode.performance.shape
     p1 = disagg.prefill_pool(pre_s, w)
@@ -280,8 +289,8 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
                      round((p1.prompt_s + sp.transfer.seconds + d1.first_step_s) * 1e3, 2),
                      round(1e3 / single_tpot, 2) if single_tpot > 0 else 0.0, 0.0)
     pools = []
-    for role, plan, n in (("prefill", o.prefill, sp.prefill_replicas),
-                          ("decode", o.decode, sp.decode_replicas)):
+    for role, plan, n in (("prefill", o.prefill, units * sp.prefill_replicas),
+                          ("decode", o.decode, units * sp.decode_replicas)):
         pool = plan.deployment().pool
         xfer, env = _transfer(o, role, version)
         if role == "prefill":
@@ -303,14 +312,23 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
             engine = dataclasses.replace(engine, max_num_seqs=max(1, math.floor(d1.running)))
         pools.append(dataclasses.replace(pool, role=role, replicas=n, env={**pool.env, **env},
                                          engine=engine, performance=perf, transfer=xfer))
-    notes = (f"rate-matched {sp.prefill_replicas}P{sp.decode_replicas}D: "
+    notes = (f"rate-matched {sp.prefill_replicas}P{sp.decode_replicas}D"
+             + (f", {units} units of it" if units > 1 else "") + ": "
              f"{sp.bound} binds; the KV hand-off moves {sp.transfer.bytes_per_gpu / 1e6:,.1f} "
              f"MB per GPU over {sp.transfer.path} in {sp.transfer.seconds * 1e3:.2f} ms",) + (
         (f"{o.connector}'s handshake, ~{sp.transfer.handshake_s:.0f} s per prefill-decode "
          "pair on the first request, is not in TTFT",) if sp.transfer.handshake_s else ())
-    perf = _perf(_point(o, w), single, f"rate_matched:{sp.bound}", notes)
+    perf = _perf(_point(o, w, units), single, f"rate_matched:{sp.bound}", notes)
+    warnings = base.warnings
+    if sp.transfer.path == "rdma" and any("VLLM_NIXL_SIDE_CHANNEL_PORT" in p.env for p in pools):
+        warnings += (D.Reason(
+            "disaggregate.side_channel_host",
+            "the pools span nodes: set VLLM_NIXL_SIDE_CHANNEL_HOST to each engine's own "
+            "address (its pod IP), which decode engines dial for the NIXL handshake",
+            {"env": "VLLM_NIXL_SIDE_CHANNEL_HOST"}),)
     return dataclasses.replace(base, kind="disaggregated", pools=tuple(pools), performance=perf,
-                               reasons=base.reasons + reasons, runners_up=())
+                               reasons=reasons + base.reasons, warnings=warnings,
+                               runners_up=())
 
 
 @dataclass(frozen=True)

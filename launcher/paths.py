@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -93,8 +92,10 @@ def report_corrupt(path: Path, why: str) -> None:
     if str(path) in _REPORTED:
         return
     _REPORTED.add(str(path))
-    print(f"vlaunch: warning: cache {path}: {why}; ignored, never trusted (delete the file to "
-          "start afresh)", file=sys.stderr)
+    from .term import echo  # the presentation layer: plain unless stderr is a terminal
+
+    echo(f"vlaunch: warning: cache {path}: {why}; ignored, never trusted (delete the file to "
+         "start afresh)", err=True)
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -141,16 +141,15 @@ def _node_commands(d: P.Deployment) -> list[str]:
 
 
 def curve_table(perf: P.Performance, slo: P.SLO, indent: str = "    ") -> list[str]:
-    """The throughput-latency curve as a small table; the knee and the asked point marked."""
+    """The throughput-latency curve of staggered users as a small table, the knee marked (the
+    asked --concurrency point is printed apart: its clients are synchronised)."""
     knee = perf.knee.concurrency if perf.knee else None
-    at = perf.asked_concurrency
-    out = [f"{indent}{'in flight':>10} {'TPOT ms':>9} {'TTFT ms':>10} {'output tok/s':>13}"]
+    out = [f"{indent}{'in flight':>10} {'TPOT ms':>9} {'TTFT ms':>10} {'output tok/s':>13}"
+           f"  ({perf.knee_client} users)"]
     for p in perf.curve:
         mark = []
         if p.concurrency == knee:
             mark.append("knee")
-        if p.concurrency == at and at != knee:
-            mark.append("asked")
         if p.tpot_ms > slo.tpot_ms or p.ttft_ms > slo.ttft_ms:
             mark.append("misses SLO")
         out.append(f"{indent}{p.concurrency:>10,.0f} {p.tpot_ms:>9.1f} "
@@ -178,6 +177,13 @@ def performance_lines(d: P.Deployment) -> list[str]:
         one = perf.single_request
         lines.append(f"    the SLO is out of reach even for one request (TPOT "
                      f"{one.tpot_ms:.1f} ms, TTFT {one.ttft_ms:,.0f} ms)")
+    at = perf.at
+    if perf.asked_concurrency:
+        # --concurrency: what `vllm bench serve --max-concurrency N` would measure, the JSON's
+        # performance.at under the client it names
+        lines.append(f"    at --concurrency {at.concurrency:,.0f} ({perf.client} clients, as "
+                     f"vllm bench serve --max-concurrency runs them): TPOT {at.tpot_ms:.1f} ms, "
+                     f"TTFT {at.ttft_ms:,.0f} ms, {at.output_tokens_per_s:,.0f} output tok/s")
     lines += curve_table(perf, slo)
     alts = [a for a in d.runners_up if a.fits]
     if alts:

@@ -1,10 +1,17 @@
-"""Text that fits the terminal: the width to write to, and wrapping that keeps indents and tables.
+"""The presentation layer: text that fits the terminal, and the one way it is written out.
 
 Every text-printing command (plan, capacity, doctor, gpus, tune, serve) asks this module for its
 width instead of assuming 80 or nothing: a 616-character reason or a 200-column table row is
 unreadable in a terminal and in a CI log alike. The rule is the one `ls` and `git` follow:
 `COLUMNS` when set (a user's override, and how tests pin it), else the tty's width, else 100 —
 piped output has no terminal to measure, and 100 is this repository's own line length.
+
+Text a person reads leaves through `echo` (and a progress line through `status`): every field
+passes `clean` there, the one hook for sanitising what is printed, and on a terminal, unless
+`NO_COLOR` is set or `TERM` is `dumb`, the verdicts, headings and bars are coloured with rich.
+Colour only adds escape codes around the characters already there: the layout is this
+module's, the same on a terminal and in a pipe (which scripts, docs and tests read), so rich is
+imported only when it will colour something and `vlaunch plan | less` never pays for it.
 """
 
 from __future__ import annotations
@@ -164,3 +171,108 @@ def _pack(quoted: list[str], cols: int, indent: str) -> list[str]:
             line += sep + w
     lines.append(line)
     return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing it out: the one place printed text passes, plain unless a terminal asks for colour.
+
+def clean(text: str) -> str:
+    """Printed text as it may reach the terminal: the hook where every line `echo` and `status`
+    write passes, so a sanitiser of control characters in printed fields (a model name from a
+    config.json, a line from a vLLM log) applies to every command at once. Identity today."""
+    return text
+
+
+def colour(stream: TextIO | None = None) -> bool:
+    """Whether to colour what goes to `stream` (stdout by default): only a terminal, never with
+    `NO_COLOR` set to anything (no-color.org) or a `TERM=dumb` terminal."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    out = sys.stdout if stream is None else stream
+    try:
+        return bool(out.isatty())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+# What is coloured: patterns over the text every command already prints, so the plain text is
+# exactly what a pipe gets. A group named `s` styles only that part of a match.
+_STYLES: tuple[tuple[str, str], ...] = (
+    (r"\bFITS\b", "bold green"),
+    (r"\bDOES NOT FIT\b", "bold red"),
+    (r"^vlaunch: (?P<s>error):", "bold red"),
+    (r"^vlaunch: (?P<s>warning):", "yellow"),
+    (r"(?m)^ {0,4}(?P<s>why|warnings|what would fit|command|runner-ups|per GPU \(limiting rank\)"
+     r"|performance|recommended|root cause|fix|run)(?= ?[(:])", "bold"),
+    (r"(?m)^ {0,4}(?P<s>warnings):", "yellow"),
+    (r"(?m)^root cause: (?P<s>\S+)", "red"),
+    (r"(?m)^ {2}(?P<s>fix): ", "cyan"),
+    (r"\bknee\b", "bold"),
+    (r"\bmisses SLO\b", "red"),
+    (r"(?m)^! .*$", "yellow"),
+    # the plan's budget bar: one colour per consumer, headroom dim
+    (r"(?<=\[)W+(?=[AGNK.]*\])", "blue"), (r"(?<=[\[W])A+(?=[GNK.]*\])", "magenta"),
+    (r"(?<=[\[WA])G+(?=[NK.]*\])", "cyan"), (r"(?<=[\[WAG])N+(?=[K.]*\])", "yellow"),
+    (r"(?<=[\[WAGN])K+(?=\.*\])", "green"), (r"(?<=[WAGNK])\.+(?=\] )", "dim"),
+)
+
+
+def styled_ansi(text: str) -> str:
+    """`text` with rich's escape codes around what `_STYLES` names; the characters between the
+    codes are `text`'s own, line for line (tests strip the codes and compare)."""
+    import re as _re
+
+    from rich.console import Console
+    from rich.text import Text
+
+    t = Text(text)
+    for pattern, style in _STYLES:
+        for m in _re.finditer(pattern, text, _re.M):
+            a, b = m.span("s") if "s" in m.re.groupindex else m.span()
+            if b > a:
+                t.stylize(style, a, b)
+    for m in _re.finditer(r"\[(#+)(\.*)\]", text):  # `vlaunch gpus`: memory taken per GPU
+        share = len(m.group(1)) / (len(m.group(1)) + len(m.group(2)))
+        t.stylize("green" if share < 0.5 else "yellow" if share < 0.8 else "red",
+                  m.start(1), m.end(1))
+    console = Console(force_terminal=True, color_system="standard", highlight=False,
+                      markup=False, emoji=False, soft_wrap=True, width=1 << 16)
+    with console.capture() as cap:
+        console.print(t, end="")
+    return cap.get()
+
+
+def echo(text: str = "", *, err: bool = False, stream: TextIO | None = None) -> None:
+    """Write `text` and a newline for a person to read: through `clean`, coloured on a terminal
+    (see `colour`), plain otherwise. stderr with `err` (progress beside a JSON document)."""
+    out = stream if stream is not None else (sys.stderr if err else sys.stdout)
+    text = clean(text)
+    if text and colour(out):
+        text = styled_ansi(text)
+    out.write(text + "\n")
+    out.flush()
+
+
+def bar(fraction: float, cells: int) -> str:
+    """A progress bar of `cells` characters between brackets, `#` for the share done (clamped to
+    0-1, to the nearest cell), `.` for the rest: plain characters, so it reads the same in a
+    pipe (a line `echo` prints colours it like `vlaunch gpus`'s bars)."""
+    share = min(1.0, max(0.0, fraction)) if fraction == fraction else 0.0  # NaN: nothing done
+    n = min(cells, round(share * cells))
+    return "[" + "#" * n + "." * (cells - n) + "]"
+
+
+def status(text: str, *, stream: TextIO | None = None) -> None:
+    """A progress line rewritten in place on a terminal (a heartbeat while vLLM loads): a
+    carriage return, the text cut to the width (a wrapped line could not be rewritten), and
+    spaces over what the previous one left; no escape code, so it is plain under NO_COLOR too.
+    The caller ends it with a newline. Piped progress is printed one `echo` line at a time."""
+    out = stream if stream is not None else sys.stderr
+    text = clean(text)[:width(out) - 1]
+    pad = max(0, _STATUS_LEN.get(id(out), 0) - len(text))
+    _STATUS_LEN[id(out)] = len(text)
+    out.write("\r" + text + " " * pad)
+    out.flush()
+
+
+_STATUS_LEN: dict[int, int] = {}  # per stream: the last status line's length, to blank it

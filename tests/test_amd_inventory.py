@@ -110,7 +110,8 @@ def test_rocm_plans_set_what_rocm_vllm_leaves_off():
 
     amd = make_plan(spec, parse_gpus("8xMI300X"), Pins(vllm_version="0.32.0")).to_dict()
     assert amd["env"]["VLLM_ROCM_USE_AITER"] == "1"
-    assert any("VLLM_ROCM_USE_AITER=1" in r and "envs.py" in r for r in amd["reasons"])
+    assert any("VLLM_ROCM_USE_AITER=1" in r["text"] and "envs.py" in r["text"]
+               for r in amd["reasons"])
     nv = make_plan(spec, parse_gpus("8xH200"), Pins(vllm_version="0.32.0")).to_dict()
     assert "VLLM_ROCM_USE_AITER" not in nv["env"]
-    assert not any("AITER" in r for r in nv["reasons"])
+    assert not any("AITER" in r["text"] for r in nv["reasons"])

@@ -318,7 +318,7 @@ def test_matches_transformers(cfg: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------- published sizes
 # config.json fields of the published checkpoints (written from the model cards' config.json;
-# none of these is vendored under /work/shared) and the total parameter counts their authors
+# none of these is vendored under ../shared) and the total parameter counts their authors
 # publish. Published totals leave out stored-but-not-loaded MTP layers (GLM-4.5: 355B, 358B
 # with its MTP layer), so the vLLM-loaded elements are compared, within 1%.
 

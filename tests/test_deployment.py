@@ -121,6 +121,8 @@ def good() -> dict:
     (lambda j: j["pools"][0]["vllm_args"].append("--trust-remote-code"),
      "`pools[0].vllm_args` differ from the arguments its `pools[0].engine` gives"),
     (lambda j: j["pools"][0]["engine"].update(gpu_memory_utilization=1.5), "in (0, 1]"),
+    (lambda j: j["pools"][0]["engine"].update(kv_cache_memory_bytes=-1),
+     "`pools[0].engine.kv_cache_memory_bytes` is -1"),
     (lambda j: j["reasons"].append("a string"), "`reasons[")
 ])
 def test_bad_plan_json_is_one_line(good, edit, says):
@@ -249,3 +251,50 @@ def test_replan_plans_for_the_memory_free_now(tmp_path, monkeypatch):
 
     monkeypatch.setattr(inventory, "detect_hardware", no_gpu)
     assert live_hardware(dep, planned) == planned
+
+
+@pytest.mark.parametrize("name,gpus,pin,objective", CASES[::3])
+def test_a_reasons_numbers_are_the_plans(name, gpus, pin, objective):
+    """`data` carries the figures the text shows, and they are the engine's own values."""
+    d = _deployment(name, gpus, pin, objective)
+    e = d.engine
+    engine_value = {"max_model_len": e.max_model_len, "max_num_seqs": e.max_num_seqs,
+                    "max_num_batched_tokens": e.max_num_batched_tokens,
+                    "gpu_memory_utilization": e.gpu_memory_utilization,
+                    "kv_cache_dtype": e.kv_cache_dtype}
+    codes = [r.code for r in d.reasons]
+    assert codes.count("layout") <= 1 and "search.counts" in codes
+    for r in (*d.reasons, *d.warnings, *d.suggestions):
+        assert r.code and r.text.strip(), r
+        json.dumps(r.data)  # JSON values only
+        flag = r.code.split(".")[0]
+        value = r.data.get("value")
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            assert f"{value:,}" in r.text, r
+        elif isinstance(value, float):
+            assert f"{value:.2f}" in r.text, r
+        if flag in engine_value and d.fits and r.code.endswith(("pinned", "default", "full",
+                                                                "largest", "lowered")):
+            assert value == pytest.approx(engine_value[flag], abs=5e-5), r
+    search = next(r for r in d.reasons if r.code == "search.counts")
+    assert search.data == {"judged": d.candidates.judged, "timed": d.candidates.timed}
+
+
+@pytest.mark.parametrize("env", [{"LD_PRELOAD": "/tmp/x.so"}, {"VLLM_PLUGINS": "evil"},
+                                 {"PATH": "/tmp"}])
+def test_exec_refuses_an_environment_vlaunch_plan_never_writes(tmp_path, env):
+    from click.testing import CliRunner
+
+    from launcher.cli import cli
+
+    _emitted(tmp_path / "good")
+    j = json.loads((tmp_path / "good" / "plan.json").read_text())
+    j["pools"][0]["env"].update(env)
+    j["env"].update(env)  # the summary key says the same (else the codec refuses the edit)
+    (tmp_path / "plan.json").write_text(json.dumps(j))
+    r = CliRunner().invoke(cli, ["exec", "--plan", str(tmp_path / "plan.json"), "--dry-run",
+                                 "--no-metrics"])
+    assert r.exit_code == 2, r.output
+    assert "never writes" in r.output and len(r.output.strip().splitlines()) == 1

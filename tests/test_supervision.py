@@ -671,3 +671,16 @@ def test_port_answers_is_false_for_a_closed_port():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening
         assert not port_answers("127.0.0.1", port)
+
+
+def test_startup_phases_print_behind_a_bar_of_the_deadline_spent(env, model, tmp_path):
+    """Each start-up phase line carries the share of `--startup-timeout` used so far (20 cells,
+    to the nearest: the elapsed time it prints, over the deadline), in plain characters."""
+    env("ready", lifetime=1)
+    result, lines = _serve(model, log_dir=tmp_path, startup_timeout=20)
+    phases = [x for x in lines if re.match(r"^  \[ *\d+\.\ds\] \[[#.]{20}\] \w+$", x)]
+    assert [x.split()[-1] for x in phases][-1] == "ready", lines
+    for x in phases:
+        elapsed = float(re.search(r"\[ *([\d.]+)s\]", x).group(1))
+        # the nearest cell of the unrounded time: half a cell, plus the 0.05 s it was rounded by
+        assert abs(x.count("#") - min(1.0, elapsed / 20) * 20) <= 0.5 + 0.05 * 20 / 20

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
+from .. import __version__, term
 from ..errors import InputError, NotFitError
 
 
@@ -19,15 +19,15 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except InputError as e:
-            click.echo(f"vlaunch: error: {e}", err=True)
+            term.echo(f"vlaunch: error: {e}", err=True)
             ctx.exit(e.exit_code)
         except NotFitError as e:
-            click.echo(f"vlaunch: {e}", err=True)
+            term.echo(f"vlaunch: {e}", err=True)
             ctx.exit(e.exit_code)
         except OSError as e:  # a path the user gave that cannot be read or written
             where = f" {e.filename}" if e.filename else ""
-            click.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the path "
-                       "and its permissions", err=True)
+            term.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the path "
+                      "and its permissions", err=True)
             ctx.exit(2)
 
 

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .. import term
 from ..errors import InputError, NotFitError
 from .group import cli, format_option
 from .options import (
@@ -54,7 +55,7 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
         def echo(s: str) -> None:
             click.echo(json.dumps({"message": s}))
     else:
-        echo = click.echo
+        echo = term.echo
     exporter.run_forever(exp, port, bind, echo)
 
 
@@ -63,10 +64,8 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
 def gpus_cmd(fmt: str) -> None:
     """List the GPUs this process may use, as NVML reads them now."""
     import json
-    import os
 
     from ..inputs import inventory
-    from ..term import width
 
     try:
         inv = inventory.read_inventory()
@@ -75,8 +74,8 @@ def gpus_cmd(fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(inv.to_dict(), indent=2))
     else:
-        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        click.echo(inventory.render_table(inv, color=color, width=width()))
+        # the usage bars are coloured by term.echo, on a terminal only
+        term.echo(inventory.render_table(inv, color=False, width=term.width()))
 
 
 def format_plan(dep, fmt: str) -> str:
@@ -110,8 +109,8 @@ def _warn_format_named(output: str) -> None:
 
     fmt = _FORMAT_NAMES.get(Path(output).name.lower())
     if fmt:
-        click.echo(f"vlaunch: warning: writing to a file named '{output}'; -o names the output "
-                   f"file, the format is chosen with --format {fmt}", err=True)
+        term.echo(f"vlaunch: warning: writing to a file named '{output}'; -o names the output "
+                  f"file, the format is chosen with --format {fmt}", err=True)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -162,8 +161,8 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
 
             plan_plot(dep, plot_path)
         else:
-            click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
-                       "fit (no performance to plot)", err=True)
+            term.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, the plan does not "
+                      "fit (no performance to plot)", err=True)
     if emit_dir:  # before printing: a folder that cannot be written is one line, not a plan
         from ..run.emit import emit_plan, write_termination_message
 
@@ -176,7 +175,10 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
         _warn_format_named(output)
         _write_atomic(output, text)
     else:
-        click.echo(_fit(text) if fmt == "text" else text)
+        if fmt == "text":
+            term.echo(_fit(text))
+        else:
+            click.echo(text)
     if not dep.fits:
         sys.exit(3)
 
@@ -196,8 +198,6 @@ def _fit(text: str) -> str:
     """Plan and capacity text fitted to the terminal (launcher/term.py): long reasons wrap
     with a hanging indent, the vllm command continues with backslashes."""
     import shlex
-
-    from .. import term
 
     cols = term.width()
     out: list[str] = []
@@ -296,15 +296,13 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     if fmt == "json":
         click.echo(json.dumps(d, indent=2))
     else:
-        from .. import term
-
-        click.echo(capacity.render(d, term.width()))
+        term.echo(capacity.render(d, term.width()))
         if "disaggregated" in d:
             from ..predict.capacity_pd import render_lines
 
-            click.echo(_fit("\n".join(render_lines(d))))
+            term.echo(_fit("\n".join(render_lines(d))))
         if mix:
-            click.echo("\n".join(mixing.render_mix(d["mix"], term.width())))
+            term.echo("\n".join(mixing.render_mix(d["mix"], term.width())))
     if d["recommended"] is None:
         raise NotFitError(capacity.miss_message(d))
 
@@ -328,9 +326,9 @@ def profiles_cmd(fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
+    term.echo(f"{'name':24} {'params':>9} {'weights':>10} {'context':>8}  attention  quant")
     for r in rows:
-        click.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
-                   f"{r['weights_bytes'] / GiB:>6.1f} GiB "
-                   f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
+        term.echo(f"{r['name']:24} {r['params'] / 1e9:>8.1f}B "
+                  f"{r['weights_bytes'] / GiB:>6.1f} GiB "
+                  f"{r['max_context']:>8,}  {r['attention']:9}  {r['quantization']}")
 

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .. import term
 from ..errors import InputError
 from ..inputs import vllm_flags as F
 from .group import cli, format_option
@@ -59,7 +60,7 @@ def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None, fixed=No
 
     def out(text: str) -> None:
         for line in fit([text], cols):  # long messages wrap under their own indent
-            click.echo(line, err=as_json)
+            term.echo(line, err=as_json)
 
     result = serve(spec, hw, pins, list(extra), max_attempts=opts["max_attempts"],
                    quiet=opts["quiet"], verbose=opts["verbose"], dry_run=opts["dry_run"],
@@ -125,7 +126,7 @@ def _run_disaggregated(spec, hw, pins, extra, opts) -> None:
                              log_dir=log_dir, dry_run=opts["dry_run"],
                              startup_timeout=opts["startup_timeout"],
                              stop_timeout=_stop_timeout(opts),
-                             out=lambda s: click.echo(s, err=opts["fmt"] == "json"))
+                             out=lambda s: term.echo(s, err=opts["fmt"] == "json"))
     sys.exit(rc)
 
 
@@ -175,7 +176,7 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
                       dry_run=opts["dry_run"], verbose=opts["verbose"],
                       startup_timeout=opts["startup_timeout"],
                       stop_timeout=_stop_timeout(opts), extra=list(extra),
-                      out=lambda s: click.echo(s, err=as_json), host=opts["host"])
+                      out=lambda s: term.echo(s, err=as_json), host=opts["host"])
         if as_json:
             import json
 
@@ -193,7 +194,7 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
     from ..run.exec_plan import live_misfit
 
     if why := live_misfit(dep):
-        click.echo(f"vlaunch: {why}", err=True)
+        term.echo(f"vlaunch: {why}", err=True)
         sys.exit(3)
     _run_serve(None, None, _pins(), extra, opts, fixed=dep)
 
@@ -261,9 +262,9 @@ def tune_cmd(model: str, revision: str | None, gpus: str | None, budget: str,
                             max_concurrency=max_concurrency, rungs=rungs, user_candidates=user,
                             startup_timeout=startup_timeout, plot=plot, verbose=verbose,
                             prompts=prompts)
-    say = (lambda s: None) if fmt == "json" else click.echo  # noqa: E731
+    say = (lambda s: None) if fmt == "json" else term.echo  # noqa: E731
     status, doc = tune.tune(spec, hw, pins, opts, out=say,
-                            log=lambda s: click.echo(s, err=True))
+                            log=lambda s: term.echo(s, err=True))
     if fmt == "json":
         click.echo(json.dumps(doc, indent=2, default=str))
     if status == 0 and doc.get("recommended") is None:
@@ -317,8 +318,6 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     if fmt == "json":
         click.echo(json.dumps({"sources": names, **report.to_dict()}, indent=2))
     else:
-        from ..term import width
-
-        click.echo(doctor.render(report, names, width()))
+        term.echo(doctor.render(report, names, term.width()))
     sys.exit(1 if report.diagnoses else 0)
 

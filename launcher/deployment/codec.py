@@ -252,6 +252,9 @@ def _check(d: P.Deployment, raw: dict[str, Any]) -> None:
         for name, n in counts.items():
             if n < 1:
                 raise _fail(f"{where}.{name}", n, "a whole number of at least 1")
+        if d.fits and e.kv_cache_memory_bytes is not None and e.kv_cache_memory_bytes < 1:
+            raise _fail(f"{where}.engine.kv_cache_memory_bytes", e.kv_cache_memory_bytes,
+                        "a whole number of bytes of at least 1, or null")
         if not 0 < e.gpu_memory_utilization <= 1:
             raise _fail(f"{where}.engine.gpu_memory_utilization", e.gpu_memory_utilization,
                         "a number in (0, 1]")
@@ -283,12 +286,24 @@ def load(raw: Any) -> P.Deployment:
     return d
 
 
+def _agrees(got: Any, want: Any) -> bool:
+    """Whether every value `got` holds equals what `want` says at the same place (keys `got`
+    leaves out, or that `want` does not write, are not compared)."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        return all(_agrees(v, want[k]) for k, v in got.items() if k in want)
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(map(_agrees, got, want))
+    return got == want and type(got) is type(want) or (
+        isinstance(got, (int, float)) and isinstance(want, (int, float))
+        and not isinstance(got, bool) and not isinstance(want, bool) and got == want)
+
+
 def _check_derived(d: P.Deployment, raw: dict[str, Any]) -> None:
     """The top-level keys scripts read (`vllm_args`, `serving`, `kv_cache`, ...) are written
-    from the pools; a file where one differs from what its pools give was edited by hand, and
+    from the pools; a file where one says otherwise than its pools was edited by hand, and
     `exec` would otherwise run the pools and silently ignore the edit (issue 31: a tampered plan
-    fails loudly)."""
+    fails loudly). A key the file leaves out is not an edit."""
     for key, want in dump(d).items():
-        if key != "pools" and key in raw and raw[key] != want:
+        if key != "pools" and key in raw and not _agrees(raw[key], want):
             raise InputError(f"the plan's `{key}` differs from what its `pools` give (a hand "
                              f"edit?); edit `pools`, not the summary keys, or {FIX}")

@@ -114,6 +114,11 @@ class Range:
     of: str
     tpot_ms: TpotRange
     basis: str
+    ttft_ms: TpotRange | None = None
+
+
+Client = Literal["bench-synchronised", "poisson", "closed-loop"]
+"""Who sends the requests a figure assumes (launcher/predict/perf.py CLIENTS)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,9 @@ class Performance:
     notes: tuple[str, ...] = ()
     asked_concurrency: int | None = None
     measured: Mapping[str, Any] | None = None  # what `vlaunch tune` measured at this point
+    client: Client = "closed-loop"  # the client `at` assumes: bench-synchronised under
+    # --concurrency (vllm bench serve --max-concurrency), else the knee's
+    knee_client: Client = "closed-loop"  # the knee and the curve: staggered users
 
 
 @dataclass(frozen=True)

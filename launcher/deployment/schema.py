@@ -99,6 +99,9 @@ def generate() -> dict[str, Any]:
     alt = json.loads(json.dumps(defs["Alternative"]))
     alt["properties"]["performance"] = perf
     defs["alternative_block"] = alt
+    # the top level below and pool_block are the JSON forms of these two (keys renamed, blocks
+    # added): their field-by-field entries would describe no document
+    del defs["Deployment"], defs["Pool"]
     top_parallel = json.loads(json.dumps(defs["Parallel"]))
     top_parallel["properties"]["distributed_executor_backend"] = {"type": "string"}
     top_parallel["required"].append("distributed_executor_backend")

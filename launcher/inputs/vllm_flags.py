@@ -480,7 +480,7 @@ def _check(f: FlagSpec, check: str, v: Any, ctx: PlanContext | None = None) -> s
 
 
 def _check_speculative(v: Any) -> str | None:
-    """MTP's config as the planner writes it (speculative.py config_json): a method name and a
+    """MTP's config as the planner writes it (deployment/argv.py engine_values): a method name and a
     draft count; a `model`, a draft path or anything else names code or weights to load."""
     try:
         obj = json.loads(v) if isinstance(v, str) else None

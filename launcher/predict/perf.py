@@ -11,14 +11,24 @@
   chunk's attention over the whole prefix before it; without chunked prefill (V0) the prompt is
   a step of its own. The steps a prompt rides in are its own TTFT; the time it adds to them is
   what it costs the other requests.
-- TTFT = own prefill + per-request cost + the wait behind OTHER prompts: staggered users
-  (random arrivals) wait rho / (1 - rho) x half a prompt (M/D/1, rho the others' prefill share
-  of engine time); benchmark clients with fixed lengths move in waves, half of the others'
-  prompts before the first token. The others' prompts that do not delay the first token ride
-  in the decode steps (TPOT), so a request's life holds each of them once. A lone request:
-  its own prefill plus fixed costs.
+- TTFT = own prefill + per-request cost + the wait behind OTHER prompts, which depends on the
+  client (CLIENTS; the plan names the one it assumed):
+  - closed-loop: staggered users, each sending its next request when one completes; a request
+    arriving while other prompts are prefilled waits rho / (1 - rho) x half a prompt (M/D/1,
+    rho the others' prefill share of engine time);
+  - bench-synchronised: `vllm bench serve --max-concurrency N` with fixed lengths: N clients
+    start together. A prefill-first scheduler (V0, or no chunked prefill) pauses decodes for
+    prompts, so the clients stay in waves: half the others' prompts land before the first
+    token, every wave. Under chunked prefill only the first wave is one: afterwards client i's
+    next prompt arrives as client i-1's has been prefilled (their finishing steps are as far
+    apart as their first tokens were), so it waits for no other prompt; the first wave's
+    queue is then spread over the run's prompts / N waves;
+  - poisson: open-loop arrivals at a rate; in flight what Little's law gives at that rate.
+  The others' prompts that do not delay the first token ride in the decode steps (TPOT), so
+  a request's life holds each of them once. A lone request: its own prefill plus fixed costs.
 - closed loop: concurrency C gives, by Little's law, C / (TTFT + (output - 1) x TPOT)
-  requests per second; beyond the running limit the rest queue for a slot.
+  requests per second; beyond the running limit the rest queue for a slot. The API servers'
+  serial per-request work (Constants.frontend_us) caps requests/s: tiny outputs hit it.
 """
 
 from __future__ import annotations
@@ -43,14 +53,32 @@ from .step import (
 __all__ = ["DEFAULT", "Constants", "EngineShape", "engine_shape", "touched_fraction", "Point",
            "point", "knee", "curve", "binding", "decode_step_s", "prefill_step_s",
            "prompt_s", "running_limit", "max_running", "open_loop_rate", "Calibration",
-           "scaled", "calibrate", "value_range", "HELD_OUT_SPREAD"]
+           "scaled", "calibrate", "value_range", "HELD_OUT_SPREAD", "CLIENTS", "client_of",
+           "bench_point", "poisson_point", "closed_loop_point", "burst_point",
+           "BENCH_PROMPTS"]
+
+CLIENTS = ("bench-synchronised", "poisson", "closed-loop")
+"""The clients a prediction can assume: benchmark clients started together on fixed lengths
+(`--concurrency`), open-loop Poisson arrivals (`capacity --rps`), staggered users in a closed
+loop (the knee under the SLO, `capacity --users`). A one-shot burst (`burst_point`, request
+rate inf) is the bench client's first wave alone."""
+
+BENCH_PROMPTS = 1000
+"""Prompts `vllm bench serve` sends unless told otherwise (benchmarks/datasets/datasets.py
+DEFAULT_NUM_PROMPTS): how many waves a synchronised run spreads its first wave over."""
+
+
+def client_of(w: Workload) -> str:
+    """The client `point` assumes for workload `w`."""
+    return "bench-synchronised" if w.synchronized else "closed-loop"
 
 MAX_RHO = 0.95
 """Cap on the other prompts' share of engine time in the staggered TTFT queueing term."""
 
 HELD_OUT_SPREAD: dict[str, tuple[float, float]] = {
-    "output_tokens_per_s": (-0.217, 0.778),
-    "tpot_ms": (-0.263, 0.591),
+    "output_tokens_per_s": (-0.214, 0.686),
+    "tpot_ms": (-0.062, 0.507),
+    "ttft_ms": (-0.685, 0.210),
 }
 """10th and 90th percentile of the relative error (predicted / measured - 1) of each quantity
 when every publication's rows are predicted by constants fitted without them (`python
@@ -187,10 +215,13 @@ class _Engine:
     e2e: float
     running: float
     limit: str
+    last: float = 0.0  # one wave of `running` sent together: when its last request completes
 
 
-def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None) -> _Engine:
-    """One engine with `load` requests in flight (closed loop)."""
+def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None,
+            waves: float = 1.0) -> _Engine:
+    """One engine with `load` requests in flight (closed loop); `waves`: how many times the
+    synchronised clients' requests turn over in the run (prompts / concurrency)."""
     cap, why = running_limit(s, w)
     b = min(load, cap)
     ctx = w.input_len + w.output_len / 2
@@ -213,11 +244,23 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None) 
     before = max(slots - life, 0.0) * mixed
     request = s.constants.request_us * 1e-6
     boundary = t_dec / 2 if others_n > 0 else 0.0  # arriving mid-step waits for its end
-    if w.synchronized:
-        # Fixed lengths, clients started together (benchmarks): waves. Half the wave's other
-        # prompts land before the first token, half in decode.
-        tpot = t_dec + in_decode / 2 / steps
-        ttft = own + in_decode / 2 + before + boundary + request
+    if w.synchronized and not s.chunked_prefill:
+        # Fixed lengths, clients started together, a prefill-first scheduler: every wave's
+        # prompts run before its decodes, as many per step as the token budget holds; a
+        # request's first token comes when its group's step ends, its second when the wave's
+        # last group's has.
+        wave_ttft, wave = _wave_s(s, w.input_len, b, own)
+        tpot = t_dec + max(wave - wave_ttft, 0.0) / steps
+        ttft = wave_ttft + before + boundary + request
+        last = wave + before + boundary + request + steps * t_dec
+    elif w.synchronized:
+        # Chunked prefill dissolves the waves after the first: the first wave's queue (half
+        # the others' prompts) counts once in `waves`; later prompts arrive as the budget
+        # they need frees up and ride in the others' decode steps.
+        ramp = in_decode / 2 / max(waves, 1.0)
+        tpot = t_dec + (in_decode - ramp) / steps
+        ttft = own + ramp + before + boundary + request
+        last = own + in_decode + before + boundary + request + steps * t_dec
     else:
         # Staggered users: a request arriving while other prompts are prefilled waits for
         # them (M/D/1: rho / (1 - rho) x half a prompt, rho their share of engine time); the
@@ -228,27 +271,54 @@ def _engine(s: EngineShape, w: Workload, load: float, moe_tokens: float | None) 
         wait = min(rho / (1 - rho) * added / 2, in_decode)
         tpot = t_dec + (in_decode - wait) / steps
         ttft = own + wait + before + boundary + request
+        last = ttft + steps * tpot
     e2e = ttft + steps * tpot
     if load > b:  # the rest wait for a slot: Little's law on the closed loop
         ttft += (load - b) / (b / e2e)
         e2e = ttft + steps * tpot
-    return _Engine(tpot, ttft, e2e, b, why if load >= cap else "none")
+    return _Engine(tpot, ttft, e2e, b, why if load >= cap else "none", last)
 
 
-def point(s: EngineShape, w: Workload, concurrency: float) -> Point:
-    """Closed loop: `concurrency` clients, each sending its next request when one completes."""
+def _wave_s(s: EngineShape, length: float, wave: float, own: float) -> tuple[float, float]:
+    """(mean time to a request's first token, time to the last one's) when `wave` prompts of
+    `length` tokens arrive together at a prefill-first scheduler: groups of g = budget /
+    length prompts per step (at least one), each group's step g prompts' work beyond the
+    step's fixed part; the j-th group's requests get their first token after j steps."""
+    g = max(1, min(math.floor(s.max_num_batched_tokens / max(length, 1.0)), math.ceil(wave)))
+    empty = step_s(s, 0.0, 0.0)
+    group = own + (g - 1) * max(own - empty, 0.0)
+    n = max(wave, 1.0)
+    full, rest = divmod(n, g)
+    # sum over requests of their group's index, over the wave's n requests
+    index_sum = g * full * (full + 1) / 2 + rest * (full + 1)
+    return index_sum / n * group, math.ceil(n / g) * group
+
+
+def point(s: EngineShape, w: Workload, concurrency: float,
+          prompts: float = BENCH_PROMPTS) -> Point:
+    """Closed loop: `concurrency` clients, each sending its next request when one completes
+    (synchronised benchmark clients when `w.synchronized`, sending `prompts` in all)."""
     loads = _loads(concurrency, s.dp)
     lockstep = s.dp > 1 and s.experts > 0
     cap = running_limit(s, w)[0]
+    waves = max(prompts / max(concurrency, 1e-9), 1.0)
     moe = None
-    if s.expert_parallel and s.dp > 1:
-        # the EP group's experts see every rank's tokens; in lockstep at the busiest's pace
+    if s.moe_group > 1:
+        # the MoE group's experts see every rank's tokens; in lockstep at the busiest's pace
         moe = sum(n * min(x, cap) for n, x in loads) * (1 + s.spec_tokens)
-    busiest = _engine(s, w, loads[0][1], moe)
+    busiest = _engine(s, w, loads[0][1], moe, waves)
     rps = 0.0
     for n, x in loads:
-        e = busiest if (lockstep or x == loads[0][1]) else _engine(s, w, x, moe)
+        e = busiest if (lockstep or x == loads[0][1]) else _engine(s, w, x, moe, waves)
         rps += n * x / (busiest.e2e if lockstep else e.e2e)
+    # The API servers do each request's serial host work one after another (one per DP rank
+    # in vLLM 0.32): past their rate requests queue there, before their first token.
+    frontend = s.constants.frontend_us * 1e-6 / s.dp
+    if rps * frontend > 1.0:
+        slow = rps * frontend
+        rps /= slow
+        busiest = dataclasses.replace(busiest, ttft=busiest.ttft + busiest.e2e * (slow - 1),
+                                      e2e=busiest.e2e * slow)
     ctx = w.input_len + w.output_len / 2
     micro = max(busiest.running / s.pp, min(busiest.running, 1.0))
     st = stage_step(s, micro, ctx, moe_tokens=None if moe is None else moe / s.pp)
@@ -256,6 +326,86 @@ def point(s: EngineShape, w: Workload, concurrency: float) -> Point:
     bound = max(parts, key=lambda k: parts[k])
     return Point(concurrency, busiest.tpot * 1e3, busiest.ttft * 1e3, rps * w.output_len, rps,
                  busiest.running, busiest.limit, st.compute > st.memory, bound)
+
+
+def bench_point(s: EngineShape, w: Workload, concurrency: float,
+                prompts: float = BENCH_PROMPTS) -> Point:
+    """`vllm bench serve --max-concurrency N --num-prompts P` on `w`'s fixed lengths: the
+    client `--concurrency` predicts (synchronised clients)."""
+    return point(s, dataclasses.replace(w, synchronized=True), concurrency, prompts)
+
+
+def burst_point(s: EngineShape, w: Workload, n: float) -> Point:
+    """`n` requests of `w`'s lengths sent at once (`vllm bench serve --request-rate inf`):
+    throughput is n over the MAKESPAN - the last request's completion, the whole wave's
+    prompts before its first token - not over the mean request's life as in a steady loop
+    (a burst of tiny outputs is over by the time a loop would have reached its mean). Past
+    the running limit the waves follow one another. TTFT and TPOT are the first wave's means.
+    The API servers' serial work caps it like any load."""
+    w = dataclasses.replace(w, synchronized=True)
+    load = math.ceil(max(n, 1.0) / s.dp)
+    cap = running_limit(s, w)[0]
+    moe = None
+    if s.moe_group > 1:
+        moe = min(load, cap) * s.dp * (1 + s.spec_tokens)
+    e = _engine(s, w, min(load, cap), moe, 1.0)
+    makespan = e.last * math.ceil(load / max(e.running, 1.0))
+    frontend = s.constants.frontend_us * 1e-6 / s.dp
+    makespan = max(makespan, n * frontend)
+    rps = n / makespan
+    ctx = w.input_len + w.output_len / 2
+    st = stage_step(s, max(e.running / s.pp, min(e.running, 1.0)), ctx,
+                    moe_tokens=None if moe is None else moe / s.pp)
+    parts = {"memory": st.memory, "compute": st.compute, "fixed": st.fixed}
+    return Point(n, e.tpot * 1e3, e.ttft * 1e3, rps * w.output_len, rps, e.running, e.limit,
+                 st.compute > st.memory, max(parts, key=lambda k: parts[k]))
+
+
+def closed_loop_point(s: EngineShape, w: Workload, users: float, think_s: float = 0.0
+                      ) -> Point:
+    """`users` staggered users, each waiting `think_s` between a response and its next
+    request: in flight C = users x E2E / (E2E + think) (Little's law on the loop), found by
+    bisection (C's E2E rises with C, so the fixed point is unique)."""
+    w = dataclasses.replace(w, synchronized=False)
+    if users <= 0:
+        raise ValueError("users must be positive")
+    if think_s <= 0:
+        return point(s, w, users)
+
+    def in_flight(c: float) -> float:
+        p = point(s, w, c)
+        e2e = c / p.requests_per_s if p.requests_per_s > 0 else math.inf
+        return users * e2e / (e2e + think_s)
+
+    lo, hi = min(1e-6, users), users
+    for _ in range(40):  # bounded: 2^-40 of the range
+        mid = (lo + hi) / 2
+        if in_flight(mid) > mid:
+            lo = mid
+        else:
+            hi = mid
+    return dataclasses.replace(point(s, w, max(lo, 1e-6)), concurrency=users)
+
+
+def poisson_point(s: EngineShape, w: Workload, rate: float) -> Point | None:
+    """Open-loop Poisson arrivals at `rate` requests/s: the mean state of the engine, at the
+    in-flight count C whose staggered closed loop serves exactly `rate` (Little: C = rate x
+    E2E; the TTFT wait is already the M/D/1 of random arrivals). None when no C serves it:
+    the queue grows without bound."""
+    w = dataclasses.replace(w, synchronized=False)
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    top = max(2.0, max_running(s, w))
+    if point(s, w, top).requests_per_s < rate:
+        return None
+    lo, hi = 1e-6, top
+    for _ in range(40):  # bounded bisection; requests/s rises with C
+        mid = (lo + hi) / 2
+        if point(s, w, mid).requests_per_s < rate:
+            lo = mid
+        else:
+            hi = mid
+    return point(s, w, hi)
 
 
 def open_loop_rate(s: EngineShape, w: Workload, knee_concurrency: float) -> float:
@@ -345,7 +495,7 @@ class Calibration:
 
 
 FIXED_FIELDS = ("layer_us", "moe_layer_us", "allreduce_us", "nccl_us", "network_us", "step_us",
-                "v0_step_us", "draft_pass_us")
+                "v0_step_us", "draft_pass_us", "frontend_us", "spec_seq_us")
 
 
 def scaled(c: Constants, cal: Calibration) -> Constants:
@@ -414,7 +564,7 @@ def calibrate(s: EngineShape, measured: list[dict[str, Any]]) -> Calibration | N
         if value < best_loss:
             best, best_loss = x, value
     lo, hi = CAL_GRID[0] / 4, CAL_GRID[-1] * 4
-    for steps in (CAL_GRID, 8, 8, 32, 128):
+    for steps in (CAL_GRID, 8, 8, 32, 128, 16, 64, 32, 128, 64, 256):
         for i in range(4):
             values = steps if isinstance(steps, tuple) else [
                 min(max(best[i] * 2 ** (j / steps), lo), hi) for j in range(-8, 9)]

@@ -44,6 +44,7 @@ class Assessment:
     source: str = "model"
     notes: list[str] = field(default_factory=list)
     candidate: Any = None  # the planner's Candidate this assesses
+    client: str = "closed-loop"  # the client `at` assumes (perf.CLIENTS); the knee's: closed-loop
 
     def score(self, objective: str, gpus: int) -> float:
         """Higher is better."""
@@ -95,12 +96,15 @@ def assessment_for(shape: perf.EngineShape, workload: Workload, slo: SLO,
                    cand: Any) -> Assessment:
     """The knee, the operating point, the curve and the binding limit of one engine shape."""
     knee = perf.knee(shape, workload, slo)
-    at = perf.point(shape, workload, concurrency) if concurrency else (
+    # --concurrency N predicts what `vllm bench serve --max-concurrency N` measures on these
+    # fixed lengths (synchronised clients); the knee is users under the SLO (closed loop)
+    at = perf.bench_point(shape, workload, concurrency) if concurrency else (
         knee or perf.point(shape, workload, 1))
     extra = tuple(x for x in (knee.concurrency if knee else None, concurrency) if x)
     return Assessment(shape, knee, at, perf.curve(shape, workload, extra),
                       perf.binding(shape, workload, knee, slo), perf.point(shape, workload, 1),
-                      source, notes, cand)
+                      source, notes, cand,
+                      "bench-synchronised" if concurrency else perf.client_of(workload))
 
 
 def choose_chunk(a: Assessment, slo: SLO, default: int) -> tuple[int, str]:
@@ -140,8 +144,10 @@ def performance_range(a: Assessment) -> dict[str, Any]:
     p = a.knee or a.at
     tput = perf.value_range("output_tokens_per_s", p.output_tokens_per_s)
     tpot = perf.value_range("tpot_ms", p.tpot_ms)
+    ttft = perf.value_range("ttft_ms", p.ttft_ms)
     return {"low": round(tput[0], 1), "high": round(tput[1], 1), "of": "output_tokens_per_s",
             "tpot_ms": {"low": round(tpot[0], 2), "high": round(tpot[1], 2)},
+            "ttft_ms": {"low": round(ttft[0], 1), "high": round(ttft[1], 1)},
             "basis": "10th-90th percentile of leave-one-source-out error on published vLLM "
                      "rows (bench/perf_fit.py)"}
 
@@ -155,6 +161,7 @@ def performance_dict(a: Assessment | None, objective: str, workload: Workload, s
             "assumed_workload": workload.assumed,
             "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
             "at": a.at.to_dict(), "knee": a.knee.to_dict() if a.knee else None,
+            "client": a.client, "knee_client": perf.client_of(workload),
             "range": performance_range(a),
             "binding": a.binding, "single_request": a.single.to_dict(),
             "curve": [p.to_dict() for p in a.curve],

@@ -438,6 +438,13 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[Reason]) -> Non
             f"beyond it requests queue (TTFT grows) instead of slowing every "
             f"running one; {best.capped_from:,} would let {over}",
             {"value": c.max_num_seqs, "uncapped": best.capped_from}))
+    elif best.trimmed_from is not None and p.max_num_seqs is None:
+        reasons.append(Reason(
+            "max_num_seqs.kv_trimmed",
+            f"max-num-seqs {c.max_num_seqs:,} per engine: the KV cache caps the running "
+            f"requests below it anyway; {best.trimmed_from:,} would take KV memory for "
+            "sampler buffers and CUDA graphs it never uses",
+            {"value": c.max_num_seqs, "untrimmed": best.trimmed_from}))
     elif k.max_num_seqs is not None and p.max_num_seqs is None:
         reasons.append(Reason(
             "max_num_seqs.kv_limited",

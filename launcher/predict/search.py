@@ -97,6 +97,7 @@ class Judged:
     mtp: speculative.Cost | None = None
     value: tuple = ()
     capped_from: int | None = None  # max-num-seqs before the cap at the SLO knee
+    trimmed_from: int | None = None  # max-num-seqs before the KV-bound trim (throughput)
 
     @property
     def fits(self) -> bool:
@@ -232,8 +233,11 @@ SHOWN = 6
 """The chosen layout and the runner-ups the plan shows: always varied in full, so each is shown
 at its best version."""
 
-TOKEN_KEEP = 1
-"""Chunk sizes of each layout and KV dtype that carry on to the draft variants."""
+TOKEN_KEEP = 3
+"""Chunk sizes of each layout and KV dtype that carry on to the draft variants: a draft moves
+the best chunk (its verified tokens share the token budget and the TTFT a prompt's chunks
+set), so the best three plain ones are varied (R1 on 8xH200 at 8,192 / 256: 2,048 with two
+drafts beats 8,192 with one, though 8,192 is the best chunk without MTP)."""
 
 
 def search(goal: Goal) -> Result:
@@ -302,6 +306,8 @@ def search(goal: Goal) -> Result:
     if goal.objective in ("balanced", "latency") and p.max_num_seqs is None \
             and not goal.hw.is_cpu:  # the CPU engine sizes its KV by max-num-seqs: no cap
         timed = _capped(goal, timed)
+    elif goal.objective == "throughput" and p.max_num_seqs is None and not goal.hw.is_cpu:
+        timed = _kv_trimmed(goal, timed)
     return Result(timed, sorted(misfit.values(), key=lambda j: -j.cand.max_model_len),
                   sorted(fitting, key=lambda j: -j.cand.max_model_len),
                   goal.counts[0], goal.counts[1])
@@ -369,6 +375,32 @@ def _capped(goal: Goal, timed: list[Judged]) -> list[Judged]:
     out.sort(key=lambda j: j.value, reverse=True)
     shown = {id(j) for j in out}
     return out + [j for j in timed if id(j) not in shown]
+
+
+def _kv_trimmed(goal: Goal, timed: list[Judged]) -> list[Judged]:
+    """throughput: where the KV cache caps the running requests below max-num-seqs, the
+    sequences past the cap only take sampler buffers and CUDA-graph memory from the KV cache.
+    The top candidates are judged again at the smallest LEAN_SEQS batch that still holds the
+    KV-bound running count, and kept beside the original when they serve more."""
+    extra = []
+    for j in _tops(timed):
+        a = _with_binding(goal, j)
+        if a is None or a.binding != "kv_cache" or a.knee is None:
+            continue
+        need = math.ceil(a.knee.running)
+        seqs = min((x for x in LEAN_SEQS if x >= need), default=None)
+        if seqs is None or seqs >= j.cand.max_num_seqs:
+            continue
+        k = dataclasses.replace(j.knobs, max_num_seqs=seqs,
+                                max_num_batched_tokens=max(j.cand.max_num_batched_tokens, seqs),
+                                max_model_len=j.cand.max_model_len)
+        lean = memory(goal, k)
+        if serves(goal, lean):
+            lean.trimmed_from = j.cand.max_num_seqs
+            extra.append(speed(goal, lean, full=False))
+    out = timed + [j for j in extra if j.value > max(t.value for t in timed)]
+    out.sort(key=lambda j: j.value, reverse=True)
+    return out
 
 
 def _tops(timed: list[Judged], n: int = 2) -> list[Judged]:

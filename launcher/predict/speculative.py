@@ -37,7 +37,6 @@ step itself verifies 1 + k tokens and runs k one-layer draft passes (`perf.decod
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..inputs import vllm_flags
 from ..inputs.hardware import GiB, Hardware, MiB
 from ..inputs.model import ModelSpec
 from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
@@ -288,13 +286,6 @@ class Decision:
     @property
     def tokens_per_step(self) -> float:
         return self.acceptance.tokens_per_step(self.k) if self.acceptance and self.k else 1.0
-
-    def config_json(self) -> str:
-        return json.dumps({"method": self.method, "num_speculative_tokens": self.k},
-                          separators=(",", ":"))
-
-    def vllm_args(self) -> list[str]:
-        return vllm_flags.argv({"speculative_config": self.config_json() if self.enabled else None})
 
     def to_dict(self) -> dict[str, Any]:
         a = self.acceptance

@@ -37,6 +37,8 @@ def check_exec_plan(dep: Deployment, plan_dir: str | None = None) -> None:
     ctx = F.PlanContext(m.path or m.hf_id, tuple(str(r) for r in (m.path, plan_dir) if r))
     if dep.fits:
         F.check_plan_args(engine_argv(dep.engine), ctx)
+    for pool in dep.pools:  # exec runs the plan's environment as it is (no re-plan)
+        F.check_plan_env(pool.env)
     if m.commit is not None and (why := F.check_value("revision", m.commit, ctx)):
         raise InputError(f"the plan's `model.commit` is {m.commit[:64]!r}, which {why}; {fix}")
     numbers = []

@@ -48,8 +48,8 @@ from ..predict.planner import Pins, Plan, make_plan
 from ..predict.replan import merge_args, replan_pins
 from ..redact import command_line_warning, redact_args, redact_env
 from ..render import plan_text
+from ..term import bar, fit, width
 from ..term import command as command_lines
-from ..term import fit, width
 from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
 from .emit import startup_deadline_s
@@ -415,8 +415,9 @@ class _ServeLoop:
         log_path = (self.log_dir or Path.cwd()) / f"vllm-{self.run_id}-attempt{number}.log"
         started = time.monotonic()
 
-        def on_phase(phase: str) -> None:
-            self.say(f"  [{time.monotonic() - started:6.1f}s] {phase}")
+        def on_phase(phase: str) -> None:  # behind a bar of the start-up deadline spent
+            t = time.monotonic() - started
+            self.say(f"  [{t:6.1f}s] {bar(t / deadline, 20)} {phase}")
 
         runner = VllmRunner(args, env=env, log_path=log_path, on_phase=on_phase,
                             echo=prefixed_echo() if self.verbose else None,

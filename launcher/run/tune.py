@@ -66,6 +66,7 @@ from ..inputs.workload import SLO, Workload
 from ..predict.planner import Pins
 from ..predict.planshape import shape_from_plan
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
+from ..term import bar, status
 from . import tune_acceptance
 from .emit import atomic_write, emit_plan, startup_deadline_s
 from .exposure import exposure_warning, with_host
@@ -220,9 +221,9 @@ class Progress:
 
     def tick(self, text: str) -> None:
         with self._lock:
-            if self.tty:
-                sys.stderr.write(f"\r{self.stamp()} {text}\x1b[K")
-                sys.stderr.flush()
+            if self.tty:  # in place, behind a bar of the budget spent
+                spent = self.elapsed / self.budget_s if self.budget_s > 0 else 1.0
+                status(f"{bar(spent, 20)} {self.stamp()} {text}")
                 self._pending = True
             else:
                 self.out(f"{self.stamp()} {text}")

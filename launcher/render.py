@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 
 from .deployment import plan as P
-from .deployment.argv import engine_argv
+from .deployment.argv import engine_argv, pool_argv
 from .predict.capabilities import serve_argv
 from .redact import redact_args, redact_env
 
@@ -73,6 +73,8 @@ def _items(title: str, items: tuple[P.Reason, ...]) -> list[str]:
 
 
 def _command_lines(d: P.Deployment) -> list[str]:
+    if d.kind == "disaggregated":
+        return pool_lines(d)
     if d.hardware.nodes > 1:
         return ["  commands (one per node; vlaunch exec builds them from the LeaderWorkerSet "
                 "environment):", *_node_commands(d)]
@@ -133,6 +135,30 @@ def scaling_lines(pool: P.Pool) -> list[str]:
                    f"{a.target_waiting_per_replica} waiting, KV {a.kv_usage_threshold:.0%}; "
                    f"windows up {a.scale_up_stabilization_s:,} s, down "
                    f"{a.scale_down_stabilization_s:,} s")
+    return out
+
+
+def pool_lines(d: P.Deployment) -> list[str]:
+    """A disaggregated plan's pools: each pool's replicas, layout, figures and one engine's
+    command (the prefill pool is also what the lines above describe)."""
+    out = [f"  pools ({sum(p.replicas * p.gpus_per_replica for p in d.pools)} GPUs):"]
+    for p in d.pools:
+        par, t, perf = p.engine.parallel, p.transfer, p.performance
+        layout = f"TP {par.tp}, PP {par.pp}, DP {par.dp}" + (", EP" if par.expert_parallel
+                                                            else "")
+        out.append(f"    {p.role}: {p.replicas} x ({layout}; {p.gpus_per_replica} GPU(s)), "
+                   f"KV {p.kv_cache.tokens:,} tokens per engine")
+        if perf is not None:
+            a = perf.at
+            out.append(f"      {a.requests_per_s:.2f} req/s" + (
+                f", TPOT {a.tpot_ms:.1f} ms, {a.output_tokens_per_s:,.0f} output tok/s"
+                if p.role == "decode" else f", prefill {a.ttft_ms:,.0f} ms per prompt"))
+        if t is not None:
+            out.append(f"      KV hand-off: {t.connector} over {t.path}, "
+                       f"{t.bytes_per_gpu / 1e6:,.1f} MB per GPU in {t.seconds * 1e3:.2f} ms")
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(dict(p.env)).items())
+        out.append(f"      {env} " + shlex.join(serve_argv(d.vllm_version,
+                                                       redact_args(pool_argv(p)))))
     return out
 
 

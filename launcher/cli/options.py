@@ -171,3 +171,32 @@ def build_plan(model: str, gpus: str | None, revision: str | None = None, **kw):
     spec = load_model(model, revision)
     return make_plan(spec, hardware(gpus), pins(**kw), **goals)
 
+
+
+def disaggregate_options(f):
+    """--disaggregate and --kv-connector: whether the plan may split into prefill and decode
+    pools (predict/pools.py), and the connector that moves the KV between them."""
+    f = click.option("--decode-tp", type=click.IntRange(min=1),
+                     help="Pin the decode pool's tensor-parallel size.")(f)
+    f = click.option("--prefill-tp", type=click.IntRange(min=1),
+                     help="Pin the prefill pool's tensor-parallel size.")(f)
+    f = click.option("--kv-connector", help="KV connector between the pools (default: "
+                     "NixlConnector on GPUs); refused if the planned vLLM lacks it.")(f)
+    return click.option("--disaggregate", type=click.Choice(["auto", "on", "off"]),
+                        default="auto", show_default=True,
+                        help="auto: split into prefill and decode pools where that wins the "
+                             "objective; on: always split; off: one aggregated pool.")(f)
+
+
+def build_deployment(model: str, gpus: str | None, revision: str | None = None, *,
+                     disaggregate: str = "auto", kv_connector: str | None = None,
+                     prefill_tp: int | None = None, decode_tp: int | None = None, **kw):
+    """The Deployment `vlaunch plan` prints: aggregated, or split where that wins."""
+    from ..inputs.model import load_model
+    from ..predict.pools import plan_deployment
+
+    goals = split_goals(kw)
+    spec = load_model(model, revision)
+    return plan_deployment(spec, hardware(gpus), pins(**kw), mode=disaggregate,
+                           connector=kv_connector, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                           **goals).deployment

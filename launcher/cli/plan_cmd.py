@@ -10,7 +10,8 @@ from .. import term
 from ..errors import InputError, NotFitError
 from .group import cli, format_option
 from .options import (
-    build_plan,
+    build_deployment,
+    disaggregate_options,
     pin_option,
     plan_options,
     revision_option,
@@ -37,10 +38,13 @@ from .options import pins as _pins
 @click.option("--relay-vllm/--no-relay-vllm", default=None,
               help="End the page with vLLM's own /metrics, so Prometheus needs only this port "
                    "(default: VLAUNCH_METRICS_RELAY=1 turns it on; the manifests do).")
+@click.option("--role", type=click.Choice(["prefill", "decode"]),
+              help="The pool of a disaggregated plan this engine is (default: the first); its "
+                   "series carry the label role.")
 @format_option("text: what it serves, one line each; json: the same as JSON lines "
                "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
-                 cache_ttl: float, relay_vllm: bool | None, fmt: str) -> None:
+                 cache_ttl: float, relay_vllm: bool | None, role: str | None, fmt: str) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from ..observe import exporter
     from ..run.emit import load_plan, startup_deadline_s
@@ -48,7 +52,7 @@ def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, tim
     plan = load_plan(plan_path) if plan_path else None
     exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl,
                             startup_timeout_s=startup_deadline_s if plan else None,
-                            relay_vllm=relay_vllm)
+                            relay_vllm=relay_vllm, role=role)
     if fmt == "json":
         import json
 
@@ -82,7 +86,7 @@ def format_plan(dep, fmt: str) -> str:
     """Deployment `dep` in `fmt`: the codec's JSON (or YAML), vLLM's flags, or the text."""
     import json
 
-    from ..deployment.argv import engine_argv
+    from ..deployment.argv import pool_argv
     from ..deployment.codec import dump
     from ..render import plan_text
 
@@ -94,7 +98,7 @@ def format_plan(dep, fmt: str) -> str:
 
         return yaml.safe_dump(d, sort_keys=False)
     if fmt == "args":
-        return "\n".join(engine_argv(dep.engine) if dep.fits else [])
+        return "\n".join(pool_argv(dep.pool) if dep.fits else [])
     return plan_text(dep)
 
 
@@ -124,6 +128,7 @@ def _write_atomic(path: str, text: str) -> None:
 @revision_option
 @plan_options
 @scaling_options
+@disaggregate_options
 @format_option("text for people; json or yaml for scripts; args: vLLM's flags, one a line.",
                "yaml", "args")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")
@@ -144,9 +149,19 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
     """
     if output:
         _check_folder(output, "-o")
-    dep = build_plan(model, gpus, revision, **pins).deployment()
+    if emit_dir and pins.get("disaggregate") == "on":
+        raise InputError("--emit writes one engine's files (one pod); a disaggregated plan is "
+                         "not emitted per pool yet: use --format json -o FILE for it, or "
+                         "--disaggregate off with --emit")
+    if emit_dir:  # the init container runs one engine: its plan stays aggregated
+        pins["disaggregate"] = "off"
+    dep = build_deployment(model, gpus, revision, **pins)
     if plot_path:
-        if dep.fits:
+        if dep.kind == "disaggregated":
+            click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, a disaggregated "
+                       "plan has one rate-matched operating point, not a curve (its figures "
+                       "are in the text and JSON)", err=True)
+        elif dep.fits:
             from ..plot import plan_plot
 
             plan_plot(dep, plot_path)
@@ -235,12 +250,17 @@ def _fit(text: str) -> str:
 @format_option("text: a table for people; json: for scripts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw each option's throughput-latency curve to a PNG (needs matplotlib).")
+@click.option("--disaggregate", type=click.Choice(["auto", "on", "off"]), default="auto",
+              show_default=True,
+              help="auto/on: also price each option as prefill and decode pools and say which "
+                   "wins; off: aggregated options only.")
 def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float | None,
                  gpu_options: tuple[str, ...],
                  prices: tuple[str, ...], prices_file: str | None, mix: bool,
                  lengths_file: str | None, headroom: float, spare: int,
                  max_model_len: int | None, vllm_version: str | None,
-                 speculative: bool | None, fmt: str, plot_path: str | None, **kw) -> None:
+                 speculative: bool | None, fmt: str, plot_path: str | None, disaggregate: str,
+                 **kw) -> None:
     """How many GPUs, and what per month, to serve MODEL to N users (or R requests/s).
 
     Each option's replica is the plan `vlaunch plan` makes for it. Exit 0 with a
@@ -269,6 +289,11 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
         d = mixing.plan_capacity_mix(*args, objective=goals["objective"], lengths=lengths_file)
     else:
         d = capacity.plan_capacity(*args, objective=goals["objective"])
+        if disaggregate != "off":
+            from ..predict.capacity_pd import add_disaggregated
+
+            add_disaggregated(d, spec, load, goals["workload"], goals["slo"], book, headroom,
+                              spare, args[-1])
     if plot_path:
         from ..plot import capacity_plot
 
@@ -277,6 +302,10 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
         click.echo(capacity.capacity_json(d))
     else:
         term.echo(capacity.render(d, term.width()))
+        if "disaggregated" in d:
+            from ..predict.capacity_pd import render_lines
+
+            term.echo(_fit("\n".join(render_lines(d))))
         if mix:
             term.echo("\n".join(mixing.render_mix(d["mix"], term.width())))
     if d["recommended"] is None:

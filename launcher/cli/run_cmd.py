@@ -157,6 +157,10 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     dep = load_plan(plan_path)  # one line naming a missing or mistyped field, exit 2
+    if dep.kind == "disaggregated":
+        raise InputError("this plan is disaggregated (a prefill and a decode pool): exec runs "
+                         "one engine; run each pool where it is placed, or on one machine "
+                         "`vlaunch serve MODEL --disaggregate on`")
     plan_dir = str(Path(plan_path) if Path(plan_path).is_dir() else Path(plan_path).parent)
     check_exec_plan(dep, plan_dir)
     if dep.engine.parallel.nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
@@ -307,11 +311,14 @@ def doctor_cmd(source: str | None, model: str | None, plan_path: str | None, gpu
     if plan_path:
         from ..run.emit import load_plan
 
-        ctx = doctor.context_from_plan(load_plan(plan_path))
+        dep = load_plan(plan_path)
+        # a disaggregated plan names the failed pool (observe/pool_role.py); its fixes are the
+        # log's own until a pool can be re-planned alone
+        ctx = doctor.context_from_plan(dep) if dep.kind == "aggregated" else None
     elif model:
         goals = split_goals(kw)
         ctx = doctor.context_from_model(model, gpus, _pins(**kw), goals, _hardware(gpus))
-    logs = doctor.diagnose_all(source, ctx)
+    logs = doctor.diagnose_all(source, ctx, plan=dep if plan_path else None)
     if fmt == "json":
         click.echo(json.dumps(doctor.to_json(logs), indent=2))
     else:

@@ -8,10 +8,17 @@ pairs): no flag is spelt here.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..inputs import vllm_flags
-from .plan import EngineConfig
+from .plan import EngineConfig, Pool
+
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+"""vLLM's KVTransferConfig as JSON (vllm/engine/arg_utils.py EngineArgs.kv_transfer_config). Not
+in the flag table yet: the table's releases are read from every sdist since 0.6.0
+(tests/fixtures/vllm_flag_releases.csv, bench/flag_releases.py) and that reading has not been
+rerun for this flag; profiles/connectors.yaml gates the connectors and fields by release."""
 
 
 def engine_values(e: EngineConfig) -> list[tuple[str, Any]]:
@@ -55,3 +62,13 @@ def engine_values(e: EngineConfig) -> list[tuple[str, Any]]:
 def engine_argv(e: EngineConfig) -> list[str]:
     """vLLM's arguments for engine `e` (after `vllm serve`)."""
     return vllm_flags.argv(engine_values(e))
+
+
+def pool_argv(pool: Pool) -> list[str]:
+    """vLLM's arguments for one engine of `pool`: its engine's, then its side of the KV
+    hand-off (a prefill or decode pool)."""
+    out = engine_argv(pool.engine)
+    if pool.transfer is not None:
+        out += [KV_TRANSFER_FLAG, json.dumps(dict(pool.transfer.config), sort_keys=True,
+                                             separators=(",", ":"))]
+    return out

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import InputError
 from . import plan as P
-from .argv import engine_argv
+from .argv import pool_argv
 
 FIX = "re-emit it with `vlaunch plan MODEL --emit DIR`"
 
@@ -72,9 +72,20 @@ def performance_json(d: P.Deployment, perf: P.Performance | None) -> dict[str, A
 def pool_json(d: P.Deployment, pool: P.Pool) -> dict[str, Any]:
     body = to_json(pool)
     body["parallel"] = to_json(pool.engine.parallel)
-    body["vllm_args"] = engine_argv(pool.engine) if d.fits else []
+    body["vllm_args"] = pool_argv(pool) if d.fits else []
     body["performance"] = performance_json(d, pool.performance)
     return body
+
+
+def _deployment_performance(d: P.Deployment) -> dict[str, Any] | None:
+    """The deployment's own figures, and the same per GPU over every GPU of every pool."""
+    out = performance_json(d, d.performance)
+    if out is not None and d.performance is not None:
+        gpus = d.gpus
+        at = d.performance.at
+        out["gpus"] = gpus
+        out["output_tokens_per_s_per_gpu"] = round(at.output_tokens_per_s / gpus, 2)
+    return out
 
 
 def _alternative_json(d: P.Deployment, a: P.Alternative) -> dict[str, Any]:
@@ -111,7 +122,7 @@ def dump(d: P.Deployment) -> dict[str, Any]:
         "warnings": to_json(d.warnings),
         "suggestions": to_json(d.suggestions),
         "alternatives": [_alternative_json(d, a) for a in d.runners_up],
-        "performance": performance_json(d, d.performance),
+        "performance": _deployment_performance(d),
         "problem": d.problem,
         "serving": to_json(pool.serving),
         "startup": to_json(pool.startup),
@@ -250,7 +261,7 @@ def _check(d: P.Deployment, raw: dict[str, Any]) -> None:
             raise _fail(f"{where}.engine.gpu_memory_utilization", e.gpu_memory_utilization,
                         "a number in (0, 1]")
         got = raw["pools"][i].get("vllm_args")
-        want = engine_argv(e) if d.fits else []
+        want = pool_argv(pool) if d.fits else []
         if got is not None and got != want:
             raise InputError(f"the plan's `{where}.vllm_args` differ from the arguments its "
                              f"`{where}.engine` gives ({' '.join(map(str, want))[:60]}...); "

@@ -5,10 +5,11 @@ Frozen dataclasses, not pydantic: the plan must stay a light import (`vlaunch pl
 (vllm/config/*.py). A `Deployment` is made once by the planner (predict/planner.py), written and
 read only by the codec (`deployment.codec`), and rendered at the edge (render.py, plot.py).
 
-Today a deployment is one `aggregated` pool; `prefill`/`decode` pools (disaggregated serving)
-and a pool's autoscaling and KV transfer are the next capabilities: their fields are here and
-`None` until those exist. The free-form figures of a decision (a reason's numbers, MTP's
-options) are `Mapping`s of JSON values; everything the commands read is a typed field.
+A deployment is one `aggregated` pool, or a `prefill` and a `decode` pool (disaggregated
+serving, each with its side of the KV hand-off in `transfer`); a pool's autoscaling is the
+next capability: its field is here and `None` until it exists. The free-form figures of a
+decision (a reason's numbers, MTP's options) are `Mapping`s of JSON values; everything the
+commands read is a typed field.
 """
 
 from __future__ import annotations
@@ -312,8 +313,26 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
+class KVTransfer:
+    """One pool's side of the prefill->decode KV hand-off (predict/pools.py): the connector's
+    `--kv-transfer-config` object as the engine is given it, and the hand-off's figures (the
+    prompt's KV bytes per GPU over `path`, the seconds TTFT pays, the connector's one-time
+    handshake per prefill-decode pair)."""
+
+    connector: str
+    kv_role: str
+    buffer_device: str
+    config: Mapping[str, Any]
+    path: str  # nvlink | xgmi | pcie inside a node, rdma across nodes
+    bytes_per_gpu: int
+    seconds: float
+    handshake_s: float
+
+
+@dataclass(frozen=True)
 class Pool:
-    """A set of identical engines with one role: today the one `aggregated` pool."""
+    """A set of identical engines with one role: the one `aggregated` pool, or the `prefill`
+    and `decode` pools of a disaggregated deployment (each replica one engine)."""
 
     role: Role
     replicas: int
@@ -329,7 +348,7 @@ class Pool:
     per_stage: tuple[Stage, ...] = ()
     autoscaling: Autoscaling | None = None  # issue 27 (predict/autoscaling.py)
     startup: Startup | None = None  # issue 27 (predict/startup.py)
-    transfer: Mapping[str, Any] | None = None  # issue 26 (P/D KV transfer) fills this
+    transfer: KVTransfer | None = None  # a prefill or decode pool's side of the hand-off
 
 
 @dataclass(frozen=True)
@@ -385,8 +404,14 @@ class Deployment:
 
     @property
     def pool(self) -> Pool:
-        """The aggregated pool (the only one until disaggregated serving exists)."""
+        """The first pool: the aggregated one, or the prefill pool of a disaggregated plan (the
+        top-level keys of the JSON have always meant this one)."""
         return self.pools[0]
+
+    @property
+    def gpus(self) -> int:
+        """Every GPU of every pool: what per-GPU figures divide by."""
+        return sum(p.replicas * p.gpus_per_replica for p in self.pools)
 
     @property
     def engine(self) -> EngineConfig:

@@ -86,6 +86,11 @@ def generate() -> dict[str, Any]:
     del deployment
     perf = {"$ref": "#/$defs/performance_block"}
     defs["performance_block"] = _performance_block(defs)
+    whole = json.loads(json.dumps(defs["performance_block"]))
+    whole["anyOf"][0]["properties"].update({"gpus": {"type": "integer"},
+                                            "output_tokens_per_s_per_gpu": {"type": "number"}})
+    whole["anyOf"][0]["required"] += ["gpus", "output_tokens_per_s_per_gpu"]
+    defs["deployment_performance_block"] = whole
     pool = json.loads(json.dumps(defs["Pool"]))
     pool["properties"].update({"parallel": t(P.Parallel), "vllm_args": t(tuple[str, ...]),
                                "performance": perf})
@@ -114,7 +119,8 @@ def generate() -> dict[str, Any]:
         "reasons": t(tuple[P.Reason, ...]), "warnings": t(tuple[P.Reason, ...]),
         "suggestions": t(tuple[P.Reason, ...]),
         "alternatives": {"type": "array", "items": {"$ref": "#/$defs/alternative_block"}},
-        "performance": perf, "problem": t(str | None), "serving": t(P.Serving | None),
+        "performance": {"$ref": "#/$defs/deployment_performance_block"},
+        "problem": t(str | None), "serving": t(P.Serving | None),
         "startup": t(P.Startup | None), "autoscaling": t(P.Autoscaling | None),
         "objective": t(P.Objective), "workload": t(P.Workload | None),
         "slo": t(P.SLO | None), "deployment": t(P.Kind),

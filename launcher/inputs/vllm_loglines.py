@@ -210,6 +210,46 @@ def has_context(text: str) -> bool:
 _ARGS = re.compile(r"non-default args: (\{.*\})\s*$")
 
 
+_CONFIG_REPR = re.compile(r"\b(KVTransferConfig)\(")
+MAX_CONFIG_REPR = 4000
+"""Longest config repr read (characters): vLLM 0.32's KVTransferConfig prints ~300."""
+
+
+def config_reprs_as_dicts(text: str) -> str:
+    """vLLM prints a config object among the non-default args as its dataclass repr
+    (`'kv_transfer_config': KVTransferConfig(kv_connector='NixlConnector', ..., kv_role=
+    'kv_both', ...)`: api_utils.py logs the parsed namespace), which no literal reader takes;
+    rewrite each as the dict of its literal fields so the other args still read. Parsed, never
+    run (`ast.parse`); a field whose value is no literal is left out; bounded in length."""
+    out, pos = [], 0
+    for m in _CONFIG_REPR.finditer(text):
+        if m.start() < pos:
+            continue
+        depth, i, quote = 1, m.end(), ""
+        while i < len(text) and depth and i - m.end() < MAX_CONFIG_REPR:
+            ch = text[i]
+            if quote:
+                quote = "" if ch == quote and text[i - 1] != "\\" else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                depth -= 1
+            i += 1
+        if depth:  # unbalanced or too long (or inside a string): left as it is
+            continue
+        fields: dict[str, Any] = {}
+        with contextlib.suppress(SyntaxError, ValueError, RecursionError, MemoryError):
+            call = ast.parse("f(" + text[m.end():i - 1] + ")", mode="eval").body
+            for kw in getattr(call, "keywords", []):
+                with contextlib.suppress(ValueError, SyntaxError, TypeError):
+                    fields[str(kw.arg)] = ast.literal_eval(kw.value)
+        out += [text[pos:m.start()], repr(fields)]
+        pos = i
+    return "".join(out) + text[pos:]
+
+
 @dataclass
 class Facts:
     """What the log says about the run, beyond the error: its arguments and measurements."""
@@ -222,7 +262,8 @@ class Facts:
     @functools.cached_property
     def args(self) -> dict[str, Any]:
         with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
-            value = ast.literal_eval(self.args_text) if self.args_text else None
+            value = ast.literal_eval(config_reprs_as_dicts(self.args_text)) \
+                if self.args_text else None
             if isinstance(value, dict):
                 # a number no flag takes (utilization 1.02, a 1e26 context) is nonsense from a
                 # broken or hostile log: read as absent, so no fix or pin is made from it

@@ -19,6 +19,7 @@ from __future__ import annotations
 import shlex
 from typing import Any, TextIO
 
+from ..deployment.plan import Deployment
 from ..inputs.vllm_failures import Diagnosis, Report, scan_text
 from ..inputs.vllm_logfiles import read_logs
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
@@ -35,6 +36,7 @@ from .doctor_plancheck import (
 # The doctor's entry points (cli.py reads the launch's context through this module).
 __all__ = ["PlanContext", "context_from_model", "context_from_plan", "diagnose", "diagnose_all",
            "explain_log", "render", "render_all", "to_json"]
+from .pool_role import note, pool_of
 
 # --- entry points ------------------------------------------------------------------------------
 
@@ -47,25 +49,29 @@ def explain_log(text: str) -> Diagnosis | None:
     return report.root
 
 
-def diagnose(source: str, ctx: PlanContext | None = None,
-             stdin: TextIO | None = None) -> tuple[Report, list[str]]:
+def diagnose(source: str, ctx: PlanContext | None = None, stdin: TextIO | None = None,
+             plan: Deployment | None = None) -> tuple[Report, list[str]]:
     """Read a log (a file, a folder's newest log, or "-"), diagnose it, and compute each fix."""
-    name, report = diagnose_all(source, ctx, stdin)[0]
+    name, report = diagnose_all(source, ctx, stdin, plan)[0]
     return report, [name]
 
 
-def diagnose_all(source: str, ctx: PlanContext | None = None,
-                 stdin: TextIO | None = None) -> list[tuple[str, Report]]:
+def diagnose_all(source: str, ctx: PlanContext | None = None, stdin: TextIO | None = None,
+                 plan: Deployment | None = None) -> list[tuple[str, Report]]:
     """Every log of `source` (one for a file or stdin; a folder's, newest first), each
-    diagnosed with its fixes."""
+    diagnosed with its fixes; `plan` names the pool of a disaggregated plan that failed."""
     logs = read_logs(source, stdin)
-    for _, report in logs:
-        _fix(report, ctx)
+    for name, report in logs:
+        _fix(report, ctx, plan, [name])
     return logs
 
 
-def _fix(report: Report, ctx: PlanContext | None) -> None:
+def _fix(report: Report, ctx: PlanContext | None, plan: Deployment | None = None,
+         names: list[str] | tuple[str, ...] = ()) -> None:
     apply_log_fixes(report)
+    if report.root is not None and (pd := pool_of(report.facts, plan, names)) is not None:
+        report.root.explain.insert(0, note(pd))
+        report.root.numbers["pool"] = pd
     ctx = ctx or context_from_log(report)
     if ctx is not None:
         apply_plan_fixes(report, ctx)

@@ -29,6 +29,7 @@ is up, `set_actual(...)` with the numbers vLLM logged) and standalone (`vlaunch 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -44,6 +45,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from ..deployment.plan import Deployment
+from ..errors import InputError
 from .families import (
     ActualNumbers,
     engine_families,
@@ -83,6 +85,31 @@ class _Flight:
 _JOIN_SLACK_S = 2.0
 
 
+def pool_view(plan: Deployment | None, role: str | None) -> tuple[str | None, Deployment | None]:
+    """The role this exporter labels its series with, and the plan with that role's pool first
+    (the planned figures are that pool's). A disaggregated plan without `role` is its first
+    (prefill) pool; an aggregated plan keeps today's series, with no `role` label."""
+    if plan is None:
+        return role, None
+    roles = [p.role for p in plan.pools]
+    if role is None:
+        return (roles[0] if plan.kind == "disaggregated" else None), plan
+    if role not in roles:
+        raise InputError(f"--role {role}: the plan has no {role} pool (it has "
+                         f"{', '.join(roles)}); pass one of those")
+    i = roles.index(role)
+    return role, dataclasses.replace(plan, pools=(plan.pools[i], *plan.pools[:i],
+                                                  *plan.pools[i + 1:]))
+
+
+def with_role(families: list[Metric], role: str | None) -> Iterator[Metric]:
+    """Every vlaunch series labelled with the pool's `role` (prefill, decode) when it has one."""
+    for f in families:
+        if role is not None:
+            f.samples = [s._replace(labels={**s.labels, "role": role}) for s in f.samples]
+        yield f
+
+
 class Exporter:
     """The vlaunch collector plus its HTTP server. Thread-safe; one per deployment.
 
@@ -103,6 +130,7 @@ class Exporter:
         cache_ttl_s: float = DEFAULT_CACHE_TTL_S,
         startup_timeout_s: float | Callable[[Deployment], float] | None = None,
         relay_vllm: bool | None = None,
+        role: str | None = None,
     ):
         self.metrics_url = metrics_url(vllm_url) if vllm_url else None
         # Relaying: our page ends with vLLM's whole page, so Prometheus scrapes one port (the
@@ -116,7 +144,7 @@ class Exporter:
         query = urllib.parse.urlencode([("name[]", n) for n in NEEDED_FAMILIES])
         self._fetch_url = (self.metrics_url if self.relay else f"{self.metrics_url}?{query}") \
             if self.metrics_url else None
-        self.plan: Deployment | None = plan
+        self.role, self.plan = pool_view(plan, role)
         self.gpu_reader = default_gpu_reader() if gpu_reader == "auto" else gpu_reader
         self.timeout_s = timeout_s
         self.cache_ttl_s = cache_ttl_s
@@ -291,14 +319,14 @@ class Exporter:
             restarts = self._restarts
             errors = dict(self._errors)
             dropped = dict(self._dropped)
-        yield from engine_families(self.plan, snap, actual, restarts, starting)
-        yield from plan_families(self.plan)
-        yield from scaling_families(self.plan, snap)
-        if self.gpu_reader is not None:
-            yield from gpu_families(gpus)
-        yield from self_families(snap, errors, dropped, self._gpu_duration,
-                                 scrapes_vllm=self.metrics_url is not None,
-                                 reads_gpus=self.gpu_reader is not None)
+        families = [*engine_families(self.plan, snap, actual, restarts, starting),
+                    *plan_families(self.plan),
+                    *scaling_families(self.plan, snap),
+                    *(gpu_families(gpus) if self.gpu_reader is not None else ()),
+                    *self_families(snap, errors, dropped, self._gpu_duration,
+                                   scrapes_vllm=self.metrics_url is not None,
+                                   reads_gpus=self.gpu_reader is not None)]
+        yield from with_role(families, self.role)
 
     def render(self) -> bytes:
         """The exposition text the HTTP server sends: our families, then (when relaying) the

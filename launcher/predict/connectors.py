@@ -100,7 +100,7 @@ class Transfer:
 
     def env(self) -> dict[str, str]:
         env: dict[str, str] = {}
-        if self.side_channel_host is not None:
+        if self.side_channel_host:  # "": the pod's own address, set where it runs
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.side_channel_host
         if self.side_channel_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)

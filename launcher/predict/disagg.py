@@ -85,7 +85,7 @@ class Split:
     ttft_ms: float
     tpot_ms: float
     gpus: int
-    bound: str  # prefill | decode: the side the other was sized to
+    bound: str  # prefill | decode: the side the other was sized to; ttft: the load the SLO allows
     transfer: Transfer
 
     @property
@@ -150,23 +150,37 @@ def _wait_s(rate: float, capacity: float, service_s: float) -> float:
     return rho / (2 * (1 - rho)) * service_s
 
 
-def split(p: PrefillPool, d: DecodePool, w: Workload, xfer: Transfer, x: int, y: int) -> Split:
-    """The figures of x prefill and y decode replicas."""
+def split(p: PrefillPool, d: DecodePool, w: Workload, xfer: Transfer, x: int, y: int,
+          ttft_slo_ms: float | None = None) -> Split:
+    """The figures of x prefill and y decode replicas. With `ttft_slo_ms`, a load whose prefill
+    queue would break the TTFT SLO is lowered to the largest that keeps it (bound `ttft`):
+    the deployment is run where it meets the SLO, as the aggregated knee is. M/D/1: the wait
+    rho / (2 (1 - rho)) s_p stays within the budget B = SLO - (s_p + hand-off + first step)
+    for rho <= 2 B / (s_p + 2 B)."""
     p_rate, d_rate = x * p.requests_per_s * PREFILL_DERATE, y * d.requests_per_s * DECODE_DERATE
     rate = min(p_rate, d_rate)
+    bound = "prefill" if p_rate <= d_rate else "decode"
+    fixed = p.prompt_s + xfer.seconds + d.first_step_s
     wait = _wait_s(rate, x * p.requests_per_s, p.prompt_s)
-    ttft = wait + p.prompt_s + xfer.seconds + d.first_step_s
+    if ttft_slo_ms is not None and (wait + fixed) * 1e3 > ttft_slo_ms:
+        budget = ttft_slo_ms / 1e3 - fixed
+        if budget > 0:
+            rho = 2 * budget / (p.prompt_s + 2 * budget) * (1 - 1e-9)  # within, not on it
+            rate = min(rate, rho * x * p.requests_per_s)
+            wait, bound = _wait_s(rate, x * p.requests_per_s, p.prompt_s), "ttft"
+    ttft = wait + fixed
     return Split(x, y, rate, rate * w.output_len, ttft * 1e3, d.tpot_ms,
-                 x * p.gpus + y * d.gpus, "prefill" if p_rate <= d_rate else "decode", xfer)
+                 x * p.gpus + y * d.gpus, bound, xfer)
 
 
 def best_split(p: PrefillPool, d: DecodePool, w: Workload, slo: SLO, xfer: Transfer,
                max_gpus: int | None = None) -> Split | None:
-    """The xPyD unit with the most requests/s per GPU that meets the TTFT SLO."""
+    """The xPyD unit with the most requests/s per GPU that meets the TTFT SLO (each at the
+    largest load that meets it)."""
     best: Split | None = None
     for x in range(1, MAX_REPLICAS + 1):
         for y in range(1, MAX_REPLICAS + 1):
-            sp = split(p, d, w, xfer, x, y)
+            sp = split(p, d, w, xfer, x, y, slo.ttft_ms)
             if max_gpus is not None and sp.gpus > max_gpus:
                 continue
             if not slo.met(sp.ttft_ms, sp.tpot_ms):

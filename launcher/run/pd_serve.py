@@ -32,6 +32,7 @@ from ..inputs.model import ModelSpec
 from ..predict import connectors
 from ..predict.disagg import pool_hardware
 from ..predict.planner import Pins, Plan, make_plan
+from ..predict.pools import refuse_unsplittable
 from ..redact import redact_args
 from ..term import command as command_lines
 from ..term import width
@@ -57,7 +58,7 @@ class PoolLaunch:
 def pool_launches(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
                   store: str | None, connector: str | None = None) -> list[PoolLaunch]:
     """Plan each pool for its share of `hw` and give it its side of the KV hand-off."""
-    refuse_unsplittable(hw)
+    refuse_unsplittable(hw, "serve aggregated (--disaggregate off)")
     share = pool_hardware(hw)
     name = connector or ("ExampleConnector" if hw.is_cpu else "NixlConnector")
     out = []
@@ -167,11 +168,3 @@ def serve_disaggregated(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[s
                         f"(log: {r.log_path})")
                     return 1
         return 128 + got[0] if got else 0
-
-
-def refuse_unsplittable(hw: Hardware) -> None:
-    """One GPU cannot hold two pools; the CPU engine can (both share the host's memory)."""
-    if not hw.is_cpu and hw.count < 2:
-        raise InputError(f"--disaggregate on needs at least 2 GPUs, one per pool ({hw.describe()}"
-                         f" has {hw.count}); serve aggregated (--disaggregate off)")
-

@@ -363,7 +363,14 @@ def test_the_exporter_labels_a_pools_series_with_its_role_and_its_figures():
         assert kv == pool.per_gpu.kv_cache_bytes
     agg = _planned("llama-3.1-8b", "8xH100", 2048, 256, "off").deployment
     s = _series(ex.Exporter(None, plan=agg, gpu_reader=None))
-    assert not any("role" in dict(labels) for name, labels in s if name.startswith("vlaunch_"))
+    # an aggregated plan keeps today's label sets; only the autoscaling series are per pool
+    # (issue 27: role="aggregated")
+    per_pool = ("vlaunch_replica_capacity_requests", "vlaunch_desired_replicas",
+                "vlaunch_plan_slo_seconds")
+    assert not any("role" in dict(labels) for name, labels in s
+                   if name.startswith("vlaunch_") and not name.startswith(per_pool))
+    assert all(dict(labels).get("role") == "aggregated" for name, labels in s
+               if name.startswith(per_pool))
     with pytest.raises(InputError, match="no decode pool"):
         ex.Exporter(None, plan=agg, gpu_reader=None, role="decode")
 

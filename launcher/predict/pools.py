@@ -345,7 +345,8 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
                     connector: str | None = None, workload: Workload | None = None,
                     objective: str | None = None, slo: SLO | None = None,
                     concurrency: int | None = None, prefill_tp: int | None = None,
-                    decode_tp: int | None = None) -> Planned:
+                    decode_tp: int | None = None, scaling: Any = None,
+                    load_path: str | None = None) -> Planned:
     """Plan `spec` on `hw` aggregated and, unless `mode` is off, split into prefill and decode
     pools; the Deployment of the one the objective prefers (`on`: the best split)."""
     from ..inputs.workload import resolve_workload
@@ -360,7 +361,7 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
     # batch at the TPOT SLO is disagg.decode_pool's, and becomes its max-num-seqs.
     goals = {"workload": workload or resolve_workload(), "objective": "throughput", "slo": slo}
     agg = make_plan(spec, hw, pins, workload=goals["workload"], objective=objective, slo=slo,
-                    concurrency=concurrency)
+                    concurrency=concurrency, scaling=scaling, load_path=load_path)
     w, s, obj = agg.workload, agg.slo, agg.objective
     name = connector or default_connector(hw)
     if connector is not None or mode == "on":  # an asked-for connector the version lacks

@@ -28,7 +28,7 @@ from launcher.errors import InputError
 from launcher.inputs import vllm_failures as vf
 from launcher.inputs.hardware import parse_gpus
 from launcher.observe import doctor
-from launcher.predict.planner import Pins
+from launcher.predict.search.planner import Pins
 from launcher.run import vllmlog
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
@@ -316,7 +316,7 @@ def test_every_shown_fix_fits_by_the_planner_and_agrees_with_its_run_line(name, 
     """Property over every planned-cause fixture: a fix that is shown is one the planner says
     fits, and the `fix:` flags appear with the same values in the `run:` command, which
     itself re-plans to a plan that fits."""
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     report = _diagnose(name, h200_ctx)
     for d in report.diagnoses:
@@ -517,7 +517,7 @@ def test_failure_classification_sits_below_run_and_observe():
     assert table and all(not m.startswith(("launcher.run", "launcher.observe", "launcher.predict"))
                          for m, _ in table)
     for name in ("observe/doctor.py", "run/vllmlog.py", "inputs/vllm_failures.py",
-                 "predict/replan.py"):
+                 "predict/search/after_failure.py"):
         found = _imports(root / name)
         assert not [m for m, nested in found if nested], name
     assert not [m for m, _ in _imports(root / "observe" / "doctor.py")
@@ -560,8 +560,8 @@ def test_the_planner_refuses_a_head_size_the_cpu_backend_lacks(tmp_path):
     """A tiny Llama with head size 16 plans on a GPU and is refused on CPU, naming the sizes
     vLLM's CPU attention backend supports; the supported list is the one in vLLM's source."""
     from launcher.inputs.model import load_model
-    from launcher.predict import capabilities
-    from launcher.predict.planner import make_plan
+    from launcher.predict.features import capabilities
+    from launcher.predict.search.planner import make_plan
 
     for head_dim in (16, 32, 48, 64, 128):
         cfg = {"model_type": "llama", "hidden_size": 4 * head_dim, "num_hidden_layers": 2,

@@ -13,11 +13,11 @@ from launcher.deployment.codec import load
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import budget as B
-from launcher.predict import perf
-from launcher.predict.planner import Pins, make_plan
-from launcher.predict.planshape import shape_from_plan
-from launcher.predict.step import ACTIVATION_PASSES, BOUNDS, SOFT_Q, stage_step
+from launcher.predict.memory import budget as B
+from launcher.predict.search.engine_from_plan import shape_from_plan
+from launcher.predict.search.planner import Pins, make_plan
+from launcher.predict.speed import request_model as perf
+from launcher.predict.speed.step import ACTIVATION_PASSES, BOUNDS, SOFT_Q, stage_step
 from launcher.render import plan_text
 
 V = Pins(vllm_version="0.32.0")
@@ -244,7 +244,7 @@ def test_every_catalog_constant_is_positive_and_sourced():
 def test_calibration_is_recorded_and_plans_say_measured(tmp_path, monkeypatch):
     """tune's points for one engine refit its scales; the next plan for the same key says
     `source: measured`, another layout of the same family borrows the scales as `model`."""
-    from launcher.predict import calibration
+    from launcher.predict.speed import calibration
 
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")

@@ -115,7 +115,7 @@ def plan_for(model: str, gpus: str) -> Any:
     learnt here must not change what is committed)."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import Pins, make_plan
+    from launcher.predict.search.planner import Pins, make_plan
 
     saved = os.environ.get("VLAUNCH_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache, _model_ref(model) as ref:

@@ -19,7 +19,7 @@ def hardware(gpus: str | None):
 
     from ..inputs.hardware import cpu_hardware
     from ..inputs.inventory import detect_hardware
-    from ..predict.capabilities import installed_cpu_engine
+    from ..predict.features.capabilities import installed_cpu_engine
 
     try:
         return detect_hardware()
@@ -32,7 +32,7 @@ def hardware(gpus: str | None):
 
 
 def pins(**kw) -> Pins:  # noqa: F821 - imported lazily to keep `--help` fast
-    from ..predict.planner import Pins
+    from ..predict.search.planner import Pins
 
     return Pins(**kw)
 
@@ -74,7 +74,7 @@ def table_pins(group: str) -> list:
 
 
 def serving_options() -> list:
-    """Pins of the serving features (launcher/predict/serving.py): MTP, parsers, all-to-all."""
+    """Pins of the serving features (predict/features/serving.py): MTP, parsers, all-to-all."""
     return [
         click.option("--mtp/--no-mtp", "speculative", default=None,
                      help="Pin MTP speculative decoding on or off (DeepSeek's MTP layer)."),
@@ -139,7 +139,7 @@ def revision_option(f):
 
 def build_plan(model: str, gpus: str | None, revision: str | None = None, **kw):
     from ..inputs.model import load_model
-    from ..predict.planner import make_plan
+    from ..predict.search.planner import make_plan
 
     goals = split_goals(kw)
     spec = load_model(model, revision)

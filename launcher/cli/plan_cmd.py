@@ -242,8 +242,8 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     import json
 
     from ..inputs.model import load_model
-    from ..predict import capacity
-    from ..predict.prices import PriceBook, parse_prices, read_prices_file
+    from ..predict.capacity.capacity import capacity
+    from ..predict.capacity.prices import PriceBook, parse_prices, read_prices_file
 
     goals = split_goals(kw)
     load = capacity.Load(users=users, rps=rps)
@@ -258,7 +258,7 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
             _pins(max_model_len=max_model_len, vllm_version=vllm_version,
                   speculative=speculative))
     if mix:
-        from ..predict import mix as mixing
+        from ..predict.capacity.capacity import mix as mixing
 
         d = mixing.plan_capacity_mix(*args, objective=goals["objective"], lengths=lengths_file)
     else:
@@ -284,7 +284,7 @@ def profiles_cmd(fmt: str) -> None:
     import json
 
     from ..inputs.model import list_profiles
-    from ..predict.budget import GiB, checkpoint_scale, param_count, weights_bytes
+    from ..predict.memory.budget import GiB, checkpoint_scale, param_count, weights_bytes
 
     # the plan's names for the same things: model.params, .weights_bytes, .max_context
     rows = [{"name": p.name, "hf_id": p.hf_id, "architecture": p.architecture,

@@ -2,8 +2,9 @@
 
 Frozen dataclasses, not pydantic: the plan must stay a light import (`vlaunch plan` and
 `--help` import it), it adds no dependency, and it is the style of vLLM's own configs
-(vllm/config/*.py). A `Deployment` is made once by the planner (predict/planner.py), written and
-read only by the codec (`deployment.codec`), and rendered at the edge (render.py, plot.py).
+(vllm/config/*.py). A `Deployment` is made once by the planner (predict/search/planner.py),
+written and read only by the codec (`deployment.codec`), and rendered at the edge (render.py,
+plot.py).
 
 Today a deployment is one `aggregated` pool; `prefill`/`decode` pools (disaggregated serving)
 and a pool's autoscaling and KV transfer are the next capabilities: their fields are here and
@@ -117,7 +118,7 @@ class Range:
 
 
 Client = Literal["bench-synchronised", "poisson", "closed-loop"]
-"""Who sends the requests a figure assumes (launcher/predict/perf.py CLIENTS)."""
+"""Who sends the requests a figure assumes (launcher/predict/speed/request_model.py CLIENTS)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ it in a pipeline stage (None: embedding side for embed/vision, last stage for he
 
 KV fields (num_kv_heads, head_dim, num_layers) describe the attention layers; `layer_kinds`
 says which layers cache a sliding window, a chunk or a recurrent state instead of every token
-(launcher/predict/kvcache.py sizes each kind as vLLM does).
+(launcher/predict/memory/kvcache.py sizes each kind as vLLM does).
 """
 
 from __future__ import annotations
@@ -680,7 +680,7 @@ def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
     with no layer_types windows every layer (Attention takes cache_config.sliding_window);
     Llama 4 attends chunk-locally on every RoPE layer (llama4.py: not nope and
     attention_chunk_size); Qwen2's sliding switch; full_attention_interval for linear hybrids.
-    launcher/predict/kvcache.py turns the kinds into cache specs.
+    launcher/predict/memory/kvcache.py turns the kinds into cache specs.
     """
     c = _merged(cfg)
     layers = int(c["num_hidden_layers"])

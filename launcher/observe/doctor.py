@@ -33,10 +33,10 @@ from ..inputs import vllm_flags as F
 from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
 from ..inputs.vllm_failures import Diagnosis, Facts, Report, scan_source, scan_text, to_failure
-from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES
-from ..predict.plan_inputs import inputs_from_plan
-from ..predict.planner import Pins, make_plan
-from ..predict.replan import merge_args, replan_pins
+from ..predict.features.capabilities import CPU_ATTENTION_HEAD_SIZES
+from ..predict.search.after_failure import merge_args, replan_pins
+from ..predict.search.plan_inputs import inputs_from_plan
+from ..predict.search.planner import Pins, make_plan
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..inputs.arch import Tensor, cache_layout
-from ..inputs.model import DTYPE_BYTES, ModelSpec, Quant
+from ...inputs.arch import Tensor, cache_layout
+from ...inputs.model import DTYPE_BYTES, ModelSpec, Quant
 from . import kvcache as K
 
 GiB = 1 << 30

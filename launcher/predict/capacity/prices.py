@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..inputs.hardware import GPUKind, ShapePrice, gpu_kind
+from ...errors import InputError
+from ...inputs.hardware import GPUKind, ShapePrice, gpu_kind
 
 _PRICE = re.compile(r"^\s*([A-Za-z0-9._-]+)\s*=\s*\$?(\d+(?:\.\d+)?)\s*$")
 
@@ -74,7 +74,7 @@ def read_prices_file(path: str) -> PriceBook:
     file is missing, is not YAML, breaks the schema or names an unknown GPU."""
     import yaml
 
-    from ..profile_check import SCHEMAS, problems
+    from ...profile_check import SCHEMAS, problems
 
     p = Path(path)
     try:

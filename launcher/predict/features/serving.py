@@ -14,10 +14,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..deployment.plan import Reason
-from ..errors import InputError
-from ..inputs.hardware import GiB
-from . import ep_backend, perf, rank, search, serving_flags, speculative
+from ...deployment.plan import Reason
+from ...errors import InputError
+from ...inputs.hardware import GiB
+from ..search import rank, search
+from ..speed import request_model as perf
+from . import ep_backend, serving_flags, speculative
 
 
 @dataclass

@@ -1,16 +1,16 @@
 """The performance model's engine rebuilt from a plan (calibration records, checks).
 
-Kept apart from `perfplan` so the performance models never import the planner: this module
+Kept apart from `speed_decisions` so the performance models never import the planner: this module
 loads the plan's model and hardware (plan_inputs.inputs_from_plan) and then builds the shape
-with `perf.engine_shape`, the one constructor every prediction uses.
+with `request_model.engine_shape`, the one constructor every prediction uses.
 """
 
 from __future__ import annotations
 
-from ..deployment.plan import Deployment
-from . import perf
-from .budget import Layout
-from .capabilities import version_traits
+from ...deployment.plan import Deployment
+from ..features.capabilities import version_traits
+from ..memory.budget import Layout
+from ..speed import request_model as perf
 from .plan_inputs import inputs_from_plan
 
 

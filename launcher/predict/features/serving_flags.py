@@ -20,10 +20,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InputError
-from ..inputs import vllm_flags
-from ..inputs.model import ModelSpec
-from ..paths import profiles_dir, read_yaml
+from ...errors import InputError
+from ...inputs import vllm_flags
+from ...inputs.model import ModelSpec
+from ...paths import profiles_dir, read_yaml
 from .capabilities import parse_version
 
 NONE = "none"

@@ -32,9 +32,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InputError
-from ..inputs import vllm_flags
-from ..inputs.hardware import GiB, MiB
+from ...errors import InputError
+from ...inputs import vllm_flags
+from ...inputs.hardware import GiB, MiB
 from .serving_flags import at_least, table
 
 ENV_VAR = "VLLM_ALL2ALL_BACKEND"

@@ -17,31 +17,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..deployment.plan import Reason
-from ..errors import InputError
-from ..inputs.hardware import GiB, Hardware, MiB, kinds
-from ..inputs.model import ModelSpec, Quant
-from ..inputs.workload import (
+from ...deployment.plan import Reason
+from ...errors import InputError
+from ...inputs.hardware import GiB, Hardware, MiB, kinds
+from ...inputs.model import ModelSpec, Quant
+from ...inputs.workload import (
     SLO,
     Workload,
     check_objective,
     fit_to_context,
     resolve_workload,
 )
-from . import budget as B
-from . import rank, search, serving
-from .candidates import (  # noqa: F401 - the planner's public names, kept for its callers
-    CPU_MEMORY_FRACTION,
-    CUDA_CONTEXT_BYTES,
-    KV_DTYPES,
-    MIN_CONTEXT,
-    Candidate,
-    Pins,
-    evaluate,
-    layouts,
-    tp_allowed,
-)
-from .capabilities import (
+from ..features import serving
+from ..features.capabilities import (
     VersionTraits,
     batch_defaults,
     default_vllm_version,
@@ -50,7 +38,19 @@ from .capabilities import (
     platform_env,
     version_traits,
 )
-from .perfplan import FP8_MARGIN
+from ..memory import budget as B
+from ..memory.candidate_memory import (  # noqa: F401 - the planner's public names, kept for its callers
+    CPU_MEMORY_FRACTION,
+    CUDA_CONTEXT_BYTES,
+    MIN_CONTEXT,
+    Candidate,
+    evaluate,
+    layouts,
+    tp_allowed,
+)
+from ..speed.speed_decisions import FP8_MARGIN
+from . import rank, search
+from .pins import KV_DTYPES, Pins  # noqa: F401 - the planner's public names, kept for its callers
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Plan:
 
     def vllm_args(self) -> list[str]:
         """vLLM's arguments for this plan; empty when it does not fit (nothing to run)."""
-        from ..deployment.argv import engine_argv
+        from ...deployment.argv import engine_argv
 
         return engine_argv(self.deployment().engine) if self.fits else []
 
@@ -116,7 +116,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's JSON: the codec's dump of its Deployment."""
-        from ..deployment.codec import dump
+        from ...deployment.codec import dump
 
         return dump(self.deployment())
 
@@ -127,7 +127,7 @@ class Plan:
 def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: list[Reason],
                    warnings: list[Reason]) -> None:
     """Say which vLLM the plan is for, and refuse what that version cannot do."""
-    from .capabilities import installed_vllm, table
+    from ..features.capabilities import installed_vllm, table
 
     newest = str(table()["newest_modelled_vllm"])
     if traits.newer_than_modelled:
@@ -242,7 +242,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
               concurrency: int | None = None) -> Plan:
     """Plan a deployment of `spec` on `hw` honouring `pins`, for `workload` under `slo`, ranked
     by `objective`; never raises for a misfit. The composer: the search judges every candidate
-    (predict/search.py), the best one becomes the plan, its assessment is the plan's single
+    (predict/search/search.py), the best one becomes the plan, its assessment is the plan's single
     prediction, and every reason is read from the judged candidates."""
     pins = pins or Pins()
     pins.validate()
@@ -485,7 +485,7 @@ def _batch_reasons(goal: Any, res: Any, best: Any, reasons: list[Reason]) -> Non
 
 def _point_note(goal: Any, j: Any, seqs: int) -> str:
     """What `seqs` running requests per engine would do to the chosen engine's latency."""
-    from . import perf
+    from ..speed import request_model as perf
 
     a = j.perf
     n = seqs * a.shape.dp
@@ -526,7 +526,7 @@ def _explain_speed(plan: Plan) -> None:
 
 def _apply_measured(plan: Plan) -> None:
     """Use the KV memory vLLM measured on an earlier boot of exactly these decisions."""
-    from . import measured
+    from ..memory import measured_kv as measured
 
     row = measured.lookup(measured.plan_key(plan.deployment()))
     if row is None:
@@ -682,7 +682,7 @@ def suggestions(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[Reason]:
                 f"({B.weights_bytes(q_spec) / GiB:.0f} GiB) fits ({_brief(plan)})",
                 {"weights_bytes": B.weights_bytes(q_spec)}))
     if spec.architecture.startswith("deepseek"):
-        from ..inputs.model import list_profiles
+        from ...inputs.model import list_profiles
 
         distills = [p for p in list_profiles() if p.distill_of]
         distills.sort(key=lambda p: B.param_count(p), reverse=True)

@@ -19,15 +19,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..inputs.hardware import Hardware
-from ..inputs.model import ModelSpec
-from ..inputs.workload import SLO, Workload
-from . import budget as B
-from . import ep_backend, perf, perfplan, speculative
-from .candidates import Candidate, Pins, evaluate, layouts
-from .capabilities import VersionTraits, batch_defaults
+from ...inputs.hardware import Hardware
+from ...inputs.model import ModelSpec
+from ...inputs.workload import SLO, Workload
+from ..features import ep_backend, speculative
+from ..features.capabilities import VersionTraits, batch_defaults
+from ..memory import budget as B
+from ..memory.candidate_memory import Candidate, evaluate, layouts
+from ..memory.kv_recut import rebudget
+from ..speed import request_model as perf
+from ..speed import speed_decisions as perfplan
+from .pins import Pins
 from .rank import context_rank, value
-from .rebudget import rebudget
 
 CHUNK_CHOICES = (2048, 4096, 8192, 16384)
 """max-num-batched-tokens the search tries with chunked prefill (vLLM's default added); those

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InputError
-from ..paths import profiles_dir, read_yaml
+from ...errors import InputError
+from ...paths import profiles_dir, read_yaml
 from .capabilities import parse_version
 
 ROLES = ("prefill", "decode")

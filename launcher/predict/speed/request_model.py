@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..inputs.workload import SLO, Workload
+from ...inputs.workload import SLO, Workload
 from .step import (
     DEFAULT,
     Constants,

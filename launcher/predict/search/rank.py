@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .perfplan import FP8_MARGIN
-from .speculative import mtp_table
+from ..features.speculative import mtp_table
+from ..speed.speed_decisions import FP8_MARGIN
 
 CONTEXT_STEPS = 64
 """Contexts are compared in steps of 1/64 of the target (2,048 tokens of a 131,072 context)."""

@@ -19,10 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..inputs.hardware import Hardware
-from ..inputs.model import ModelSpec
-from ..inputs.workload import SLO, Workload
-from . import calibration, perf
+from ...inputs.hardware import Hardware
+from ...inputs.model import ModelSpec
+from ...inputs.workload import SLO, Workload
+from . import calibration
+from . import request_model as perf
 
 FP8_MARGIN = 0.10
 """fp8 KV is chosen for speed only when it raises the objective's figure by at least this much:

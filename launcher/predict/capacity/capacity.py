@@ -4,7 +4,7 @@ For each GPU option (a shape one can rent, such as 8xH200: the catalog's node si
 an NVL72 within its NVLink domain) the replica is exactly the plan `vlaunch plan` makes for it
 (the same search, objective, SLO, MTP pin and candidate): its knee under the SLO says what one
 replica serves, and its figures are the plan's own. Users are a closed loop (the knee's requests
-in flight); a rate is an open loop whose queue is the M/G/c model of predict/queueing.py: a
+in flight); a rate is an open loop whose queue is the M/G/c model of predict/capacity/queueing.py: a
 replica takes the largest rate whose queue wait plus prefill still meets the SLO's TTFT, always
 below 100% busy. Replicas = ceil(load x (1 + headroom) / per-replica) + spare; each option
 states its queue at the planned load (`at_load`). Prices are the catalog's list prices for that
@@ -19,15 +19,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..deployment.argv import engine_argv
-from ..deployment.codec import to_json
-from ..errors import InputError
-from ..inputs.hardware import GiB, GPUKind, Hardware, kinds, parse_gpus
-from ..inputs.model import ModelSpec
-from ..inputs.workload import SLO, Workload
-from . import budget as B
-from . import perf, queueing
-from .planner import Pins, make_plan
+from ...deployment.argv import engine_argv
+from ...deployment.codec import to_json
+from ...errors import InputError
+from ...inputs.hardware import GiB, GPUKind, Hardware, kinds, parse_gpus
+from ...inputs.model import ModelSpec
+from ...inputs.workload import SLO, Workload
+from ..memory import budget as B
+from ..search.planner import Pins, make_plan
+from ..speed import request_model as perf
+from . import queueing
 from .prices import PriceBook, parse_prices
 
 __all__ = ["Load", "Option", "default_options", "evaluate_option", "parse_prices",
@@ -310,7 +311,7 @@ def plan_capacity(spec: ModelSpec, load: Load, workload: Workload, slo: SLO,
 
 def render(d: dict[str, Any], cols: int = 100) -> str:
     """The capacity answer as text within `cols` columns (launcher/term.py)."""
-    from .. import term
+    from ... import term
 
     slo = d["slo"]
     head = (f"{d['model']['name']}: {d['load']['describe']}; {d['input_len']:,} in / "

@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..inputs.hardware import GiB, Hardware, MiB
-from ..inputs.model import ModelSpec
-from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
-from . import budget as B
-from .mtp import Acceptance, draft_shape, speculative_shape  # noqa: F401 - re-exported
-from .rebudget import rebudget
+from ...errors import InputError
+from ...inputs.hardware import GiB, Hardware, MiB
+from ...inputs.model import ModelSpec
+from ...paths import cache_dir, read_json_object, report_corrupt, update_json_object
+from ..memory import budget as B
+from ..memory.kv_recut import rebudget
+from ..speed.mtp import Acceptance, draft_shape, speculative_shape  # noqa: F401 - re-exported
 from .serving_flags import at_least, table
 
 ACCEPTANCE_PINNED = "your --mtp-acceptance"

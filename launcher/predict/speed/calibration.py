@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..deployment.plan import Deployment
-from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
-from . import perf
+from ...deployment.plan import Deployment
+from ...paths import cache_dir, read_json_object, report_corrupt, update_json_object
+from . import request_model as perf
 
 
 def _store() -> Path:

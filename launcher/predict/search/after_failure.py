@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..inputs import vllm_flags
-from ..inputs.vllm_failures import Failure
-from .budget import GiB
+from ...inputs import vllm_flags
+from ...inputs.vllm_failures import Failure
+from ..memory.budget import GiB
 from .planner import Pins, Plan
 
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..deployment.plan import Deployment
-from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
+from ...deployment.plan import Deployment
+from ...paths import cache_dir, read_json_object, report_corrupt, update_json_object
 
 
 def plan_key(d: Deployment) -> str:

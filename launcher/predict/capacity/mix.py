@@ -8,7 +8,7 @@ which solve the same problem as an integer program).
 
 The program. Buckets b (prompt/output lengths, share s_b of the rate R) and GPU options g
 (a rentable shape with a price p_g per replica-hour). r_gb is what one replica of g takes of
-bucket b alone: the open-loop rate `capacity` sizes by (the M/G/c queue of predict/queueing.py
+bucket b alone: the open-loop rate `capacity` sizes by (the M/G/c queue of queueing.py
 under the SLO). Variables: x_gb in [0, 1], the share of bucket b that g serves, and n_g, whole
 replicas of g. Minimise sum_g p_g n_g subject to sum_g x_gb = 1 for every bucket and
 sum_b x_gb s_b R (1 + headroom) / r_gb <= n_g for every g: a replica's time is shared across
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..inputs.hardware import gpu_kind, parse_gpus
-from ..inputs.model import ModelSpec
-from ..inputs.workload import PRESETS, SLO, Workload
+from ...errors import InputError
+from ...inputs.hardware import gpu_kind, parse_gpus
+from ...inputs.model import ModelSpec
+from ...inputs.workload import PRESETS, SLO, Workload
+from ..search.planner import Pins
 from .capacity import HOURS_PER_MONTH, Load, evaluate_option, holds, plan_capacity
-from .planner import Pins
 from .prices import PriceBook
 
 ROUTING = ("route by length at the gateway: estimate each request's prompt tokens (and its "
@@ -60,7 +60,7 @@ def buckets_from_file(path: str) -> list[Bucket]:
     {input_len, output_len, share} or {workload: PRESET, share}; shares are normalised."""
     import yaml
 
-    from ..profile_check import SCHEMAS, problems
+    from ...profile_check import SCHEMAS, problems
 
     try:
         data: Any = yaml.safe_load(Path(path).read_text())
@@ -232,7 +232,7 @@ def solve(gpus: list[str], buckets: list[Bucket], rates: dict[str, list[float]],
 
 def render_mix(m: dict[str, Any], cols: int = 100) -> list[str]:
     """The mix as text lines: each pool, the bill, the saving, and how to route."""
-    from .. import term
+    from ... import term
 
     hist = ", ".join(f"{b['input_len']:,}/{b['output_len']:,} x{b['share']:.0%}"
                      for b in m["buckets"])

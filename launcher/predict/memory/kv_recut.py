@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..inputs.model import ModelSpec
+from ...inputs.model import ModelSpec
 from . import budget as B
 from . import kvcache as K
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..deployment.plan import Deployment, Serving
-from ..errors import InputError
-from ..inputs.hardware import Hardware, parse_gpus
-from ..inputs.model import ModelSpec, load_model
-from .candidates import Pins
-from .serving_flags import NONE
-from .speculative import ACCEPTANCE_PINNED
+from ...deployment.plan import Deployment, Serving
+from ...errors import InputError
+from ...inputs.hardware import Hardware, parse_gpus
+from ...inputs.model import ModelSpec, load_model
+from ..features.serving_flags import NONE
+from ..features.speculative import ACCEPTANCE_PINNED
+from .pins import Pins
 
 
 def serving_pins(s: Serving | None) -> dict[str, Any]:

@@ -14,9 +14,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..inputs.hardware import GiB, Hardware
-from ..paths import (
+from ...errors import InputError
+from ...inputs.hardware import GiB, Hardware
+from ...paths import (
     cache_dir,
     profiles_dir,
     read_json_object,

@@ -29,9 +29,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..inputs.hardware import Hardware
-from ..inputs.model import ModelSpec
-from . import budget as B
+from ...inputs.hardware import Hardware
+from ...inputs.model import ModelSpec
+from ..memory import budget as B
 from .ops import gather_s, ring_allreduce_s, send_s
 
 
@@ -212,7 +212,7 @@ class EngineShape:
     attn_peak: float = 0.0  # FLOP/s of attention math (bf16); 0: same as peak
     kv_grow: float = 1.0  # share of KV bytes per token in layers whose cache grows with context
     kv_windows: tuple[tuple[float, int], ...] = ()  # (share, window) of sliding layers
-    # Speculative decoding (launcher/predict/mtp.py): draft tokens verified per step, output
+    # Speculative decoding (launcher/predict/speed/mtp.py): draft tokens verified per step, output
     # tokens a step yields on average, and the draft layer's own shape.
     spec_tokens: int = 0
     spec_yield: float = 1.0

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..deployment import plan as D
-from ..deployment.codec import build
-from . import budget as B
+from ...deployment import plan as D
+from ...deployment.codec import build
+from ..memory import budget as B
 
 
 def _model(m: Any) -> D.ModelRef:
@@ -79,7 +79,7 @@ def _per_gpu(c: Any) -> D.PerGpuBudget:
 
 
 def _performance(plan: Any, a: Any) -> D.Performance | None:
-    from .perfplan import performance_dict
+    from ..speed.speed_decisions import performance_dict
 
     if a is None or plan.workload is None or plan.slo is None:
         return None

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation as performance: rate matching, the KV hand-off, TTFT. Pure.
 
 A disaggregated deployment is a prefill pool and a decode pool (xPyD: x prefill replicas, y
-decode replicas). Each pool is an engine the step model already times (`perf.py`, `step.py`);
+decode replicas). Each pool is an engine the step model already times (`request_model.py`,
+`step.py`);
 this module only composes them:
 
 - **Prefill rate.** A prefill engine only prefills: a prompt of L tokens rides in its own chunks
@@ -33,9 +34,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..inputs.hardware import Hardware
-from ..inputs.workload import SLO, Workload
-from .perf import EngineShape, decode_step_s, prompt_s, running_limit
+from ...inputs.hardware import Hardware
+from ...inputs.workload import SLO, Workload
+from .request_model import EngineShape, decode_step_s, prompt_s, running_limit
 
 PREFILL_DERATE = 0.9
 """aiconfigurator picking.py: seq/s = min(P * nP * 0.9, ...): 'pipeline bubble'."""

@@ -27,10 +27,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..inputs.model import ModelSpec
-from ..inputs.workload import Workload
-from . import budget as B
-from .perf import decode_step_s, point
+from ...inputs.model import ModelSpec
+from ...inputs.workload import Workload
+from ..memory import budget as B
+from .request_model import decode_step_s, point
 from .step import EngineShape
 
 FIRST_ACCEPTANCE = 0.81

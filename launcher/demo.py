@@ -41,7 +41,7 @@ def _decide() -> None:
     from .inputs.hardware import parse_gpus
     from .inputs.model import load_model
     from .inputs.workload import SLO, resolve_workload
-    from .predict.capacity.capacity import capacity
+    from .predict.capacity import capacity
     from .predict.search.planner import make_plan
 
     spec, hw, w = load_model("deepseek-r1"), parse_gpus("8xH200"), resolve_workload(preset="chat")

@@ -242,7 +242,7 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     import json
 
     from ..inputs.model import load_model
-    from ..predict.capacity.capacity import capacity
+    from ..predict.capacity import capacity
     from ..predict.capacity.prices import PriceBook, parse_prices, read_prices_file
 
     goals = split_goals(kw)
@@ -258,7 +258,7 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
             _pins(max_model_len=max_model_len, vllm_version=vllm_version,
                   speculative=speculative))
     if mix:
-        from ..predict.capacity.capacity import mix as mixing
+        from ..predict.capacity import mix as mixing
 
         d = mixing.plan_capacity_mix(*args, objective=goals["objective"], lengths=lengths_file)
     else:

@@ -284,13 +284,14 @@ def test_plans_carry_the_held_out_range_around_their_figures():
 
 
 def test_the_performance_models_import_no_planner_search_or_serving_decision():
-    # models -> search -> plan, one way: ops/step/perf/mtp/perfplan never reach back.
+    # models -> search -> plan, one way: ops/step/request_model/mtp/speed_decisions never reach
+    # back.
     import ast
     from pathlib import Path
 
     root = Path(perf.__file__).parent
-    banned = {"planner", "serving", "speculative", "capacity", "planshape"}
-    for name in ("ops", "step", "perf", "mtp", "perfplan"):
+    banned = {"planner", "serving", "speculative", "capacity", "engine_from_plan"}
+    for name in ("ops", "step", "request_model", "mtp", "speed_decisions"):
         tree = ast.parse((root / f"{name}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):

@@ -98,13 +98,71 @@ def report_corrupt(path: Path, why: str) -> None:
          "start afresh)", err=True)
 
 
+MAX_SMALL_FILE = 16 << 20
+"""The most a plan, a cache entry or a config.json may hold: each is KiB to a few MiB (a
+DeepSeek-V3 index is 9 MiB); a larger one is a mistake or an attack, not data."""
+
+
+class NotSmallFile(OSError):
+    """A path that is not a regular file of at most `limit` bytes (strerror says which)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def read_small(path: str | os.PathLike[str], limit: int = MAX_SMALL_FILE) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, read without waiting or filling
+    memory: a FIFO, a device (/dev/zero), a folder or a socket at the name is refused, whatever
+    symlink leads there, and so is a file larger than `limit` (issue 31: a FIFO or a link to
+    /dev/zero in the cache hung every plan). O_NONBLOCK makes opening a FIFO return at once;
+    the type is checked on the open descriptor, so a swap after a check cannot slip past; at
+    most limit + 1 bytes are ever read."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotSmallFile(0, "not a regular file", str(path))
+        if st.st_size > limit:
+            raise NotSmallFile(0, f"larger than {limit >> 20} MiB", str(path))
+        chunks, n = [], 0
+        while n <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+        if n > limit:  # grew while read
+            raise NotSmallFile(0, f"larger than {limit >> 20} MiB", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_small_text(path: str | os.PathLike[str], limit: int = MAX_SMALL_FILE) -> str:
+    """`read_small` decoded as UTF-8 (UnicodeDecodeError when it is not)."""
+    return read_small(path, limit).decode("utf-8")
+
+
+def loads_json(text: str | bytes, **kw: Any) -> Any:
+    """json.loads where nesting too deep for the parser is a JSONDecodeError like any other
+    malformed file, not a RecursionError traceback (a config.json of 100,000 `[`)."""
+    import json
+
+    try:
+        return json.loads(text, **kw)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", "", 0) from None
+
+
 def read_json_object(path: Path) -> dict[str, Any]:
     """A cache file as a dict; {} when it is missing, unreadable or not a JSON object (a corrupt
     cache is reported once and ignored, never trusted). Callers check each entry's types."""
     import json
 
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(read_small_text(path))
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -134,6 +192,71 @@ def update_json_object(path: Path, change: Callable[[dict[str, Any]], None]) -> 
         data = read_json_object(path)
         change(data)
         return atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def inside(folder: Path, *parts: str) -> Path:
+    """folder/parts, refused (InputError) unless it stays inside `folder`: a name from a
+    file or a server (a commit id, a shard name, a branch) never becomes an absolute path or
+    climbs out with `..` (issue 31, H1: a Hub "sha" of `/abs/y` wrote `/abs/y.json`). The
+    check is on the names, before any symlink is followed, and on the resolved path too."""
+    from .errors import InputError
+
+    for part in parts:
+        if (not part or "\x00" in part or part.startswith("/") or len(part) > 255 * 4
+                or any(p in ("..", ".") or not p for p in part.split("/"))):
+            raise InputError(f"refusing the name {part[:80]!r} as a file inside {folder}: "
+                             "it is empty, absolute or climbs out of the folder")
+    path = folder.joinpath(*parts)
+    base = os.path.realpath(folder)
+    real = os.path.realpath(path.parent)
+    if real != base and not real.startswith(base.rstrip("/") + "/"):
+        raise InputError(f"refusing {path}: it lies outside {folder}")
+    return path
+
+
+def warn_if_foreign(path: str | os.PathLike[str]) -> bool:
+    """Warn (stderr, one line) when a file vlaunch acts on (a plan that becomes a command
+    line) is owned by another user or writable by everyone: whoever can write it chooses what
+    runs. Root's files are not foreign. True when a warning was printed."""
+    import stat
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    who = None
+    if st.st_uid not in (os.geteuid(), 0):
+        who = f"is owned by user {st.st_uid}, not you ({os.geteuid()})"
+    elif st.st_mode & stat.S_IWOTH:
+        who = "is writable by every user"
+    if who is None:
+        return False
+    from .term import echo
+
+    echo(f"vlaunch: warning: {path} {who}; whoever can write it chooses what vlaunch runs "
+         "(chmod o-w, or keep plans in a folder only you can write)", err=True)
+    return True
+
+
+def warn_if_open_folder(folder: str | os.PathLike[str]) -> bool:
+    """Warn (stderr, one line) when an output folder is writable by every user: another user
+    can swap or plant files there (without the sticky bit), or read what lands in it as it is
+    written there. True when a warning was printed."""
+    import stat
+
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return False
+    if not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH):
+        return False
+    sticky = " (sticky: others cannot replace your files, but can plant other names)" \
+        if st.st_mode & stat.S_ISVTX else ""
+    from .term import echo
+
+    echo(f"vlaunch: warning: {folder} is writable by every user{sticky}; write plans to a "
+         "folder only you can write (chmod o-w)", err=True)
+    return True
 
 
 def current_umask() -> int:

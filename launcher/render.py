@@ -78,6 +78,7 @@ def plan_text(d: P.Deployment) -> str:
     lines.append(f"    vLLM may use {pool.per_gpu.requested_bytes / GiB:.2f} GiB "
                  f"of {g.total_bytes / GiB:.2f} GiB ({g.free_bytes / GiB:.2f} GiB free)")
     lines += performance_lines(d)
+    lines += scaling_lines(pool)
     for title, items in (("why", d.reasons), ("warnings", d.warnings),
                          ("what would fit", d.suggestions)):
         texts = [x.text for x in items if x.text.strip()]
@@ -92,6 +93,23 @@ def plan_text(d: P.Deployment) -> str:
         lines.append("  command:")
         lines.append(f"    {env} vllm serve " + shlex.join(redact_args(engine_argv(e))))
     return "\n".join(lines)
+
+
+def scaling_lines(pool: P.Pool) -> list[str]:
+    """One replica's start-up and the pool's autoscaling targets (the plan's figures)."""
+    st, a = pool.startup, pool.autoscaling
+    out = []
+    if st:
+        terms = ", ".join(f"{k.replace('_', ' ')} {v:,.0f} s" for k, v in st.terms.items())
+        out.append(f"  start-up ({st.source}, weights from {st.load_path}): "
+                   f"{st.seconds:,.0f} s ({terms})")
+    if a:
+        out.append(f"  autoscaling ({a.role}): {a.min_replicas}-{a.max_replicas} replicas; per "
+                   f"replica {a.target_running_per_replica} running, "
+                   f"{a.target_waiting_per_replica} waiting, KV {a.kv_usage_threshold:.0%}; "
+                   f"windows up {a.scale_up_stabilization_s:,} s, down "
+                   f"{a.scale_down_stabilization_s:,} s")
+    return out
 
 
 def _node_commands(d: P.Deployment) -> list[str]:

@@ -178,9 +178,12 @@ def _pack(quoted: list[str], cols: int, indent: str) -> list[str]:
 
 def clean(text: str) -> str:
     """Printed text as it may reach the terminal: the hook where every line `echo` and `status`
-    write passes, so a sanitiser of control characters in printed fields (a model name from a
-    config.json, a line from a vLLM log) applies to every command at once. Identity today."""
-    return text
+    write passes, so the sanitiser of control characters in printed fields (a model name from
+    a config.json, a line from a vLLM log) applies to every command at once: escape sequences
+    and control characters go, a carriage return becomes a new line (launcher/printable.py)."""
+    from .printable import printable
+
+    return printable(text)
 
 
 def colour(stream: TextIO | None = None) -> bool:
@@ -245,10 +248,13 @@ def styled_ansi(text: str) -> str:
 def echo(text: str = "", *, err: bool = False, stream: TextIO | None = None) -> None:
     """Write `text` and a newline for a person to read: through `clean`, coloured on a terminal
     (see `colour`), plain otherwise. stderr with `err` (progress beside a JSON document)."""
+    from .printable import raw
+
     out = stream if stream is not None else (sys.stderr if err else sys.stdout)
     text = clean(text)
     if text and colour(out):
         text = styled_ansi(text)
+    out = raw(out)  # cleaned already: the colour codes added here are the only escapes
     out.write(text + "\n")
     out.flush()
 
@@ -267,8 +273,11 @@ def status(text: str, *, stream: TextIO | None = None) -> None:
     carriage return, the text cut to the width (a wrapped line could not be rewritten), and
     spaces over what the previous one left; no escape code, so it is plain under NO_COLOR too.
     The caller ends it with a newline. Piped progress is printed one `echo` line at a time."""
+    from .printable import raw
+
     out = stream if stream is not None else sys.stderr
-    text = clean(text)[:width(out) - 1]
+    text = clean(text).replace("\n", " ")[:width(out) - 1]  # one line, rewritten in place
+    out = raw(out)  # the carriage return is the status line's own
     pad = max(0, _STATUS_LEN.get(id(out), 0) - len(text))
     _STATUS_LEN[id(out)] = len(text)
     out.write("\r" + text + " " * pad)

@@ -25,7 +25,9 @@ FAKE_VLLM_LIFETIME (exit 0 that many seconds after answering its first completio
 in-process `serve()` returns once it is serving; with FAKE_VLLM_LIFETIME_FROM=ready, after first
 listing its models, for a supervisor that sends no completion),
 FAKE_VLLM_INFLIGHT_FILE (written, with the request's model name, once a completion is accepted
-and in flight: the handshake a test waits for instead of sleeping and hoping).
+and in flight: the handshake a test waits for instead of sleeping and hoping),
+FAKE_VLLM_KV_PER_REQUEST (KV usage each running request adds, default 0). Completions in
+flight beyond `--max-num-seqs` are reported as waiting, as vLLM's scheduler queues them.
 P/D: a completion with kv_transfer_params {"do_remote_decode": true} answers the params a
 decode engine needs (NixlConnector's shape); one carrying a remote_engine_id counts its
 prompt's words in vllm:external_prefix_cache_hits_total, as a decode engine that loaded the KV
@@ -120,6 +122,8 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
 
     stopping = threading.Event()
     in_flight = [0]
+    max_seqs = int((flags.get("--max-num-seqs") or ["256"])[0])  # vLLM's default on a GPU
+    kv_per_request = float(os.environ.get("FAKE_VLLM_KV_PER_REQUEST", "0"))
     lifetime_from: dict[str, float] = {}  # when FAKE_VLLM_LIFETIME started counting
     lock = threading.Lock()
 
@@ -176,8 +180,10 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
         'kv_cache_max_concurrency="28.25",gpu_memory_utilization="0.92"} 1.0\n'
         "# TYPE vllm:num_requests_running gauge\n"
         f'vllm:num_requests_running{{model_name="{names[0]}"}} {{running}}\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{model_name="{names[0]}"}} {{waiting}}\n'
         "# TYPE vllm:kv_cache_usage_perc gauge\n"
-        f'vllm:kv_cache_usage_perc{{engine="0",model_name="{names[0]}"}} 0.0\n'
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="{names[0]}"}} {{kv}}\n'
         "# TYPE process_start_time_seconds gauge\n"
         f"process_start_time_seconds {time.time():.3f}\n"
         "# TYPE vllm:external_prefix_cache_hits_total counter\n"
@@ -228,8 +234,13 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
                 if os.environ.get("FAKE_VLLM_LIFETIME_FROM") == "ready":
                     lifetime_from.setdefault("t", time.monotonic())
             elif path == "/metrics":
-                self._send(200, metrics.replace("{running}", str(in_flight[0]))
-                           .replace("{external}", f"{external[0]:.1f}"), "text/plain")
+                running = min(in_flight[0], max_seqs)  # beyond --max-num-seqs: queued
+                kv = min(1.0, running * kv_per_request)
+                page = (metrics.replace("{running}", str(running))
+                        .replace("{waiting}", str(in_flight[0] - running))
+                        .replace("{kv}", f"{kv:.4f}")
+                        .replace("{external}", f"{external[0]:.1f}"))
+                self._send(200, page, "text/plain")
             else:
                 self._send(404, {"detail": "Not Found"})
 
@@ -282,6 +293,7 @@ def main() -> int:  # noqa: C901, PLR0915 - one linear script, like the server i
 
     class Server(http.server.ThreadingHTTPServer):
         daemon_threads = True
+        request_queue_size = 128  # tens of clients connect at once (socketserver's default: 5)
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
     srv = Server((host, port), Handler)

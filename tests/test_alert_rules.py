@@ -28,11 +28,12 @@ def _promtool(*args: str, cwd: Path = PROM_DIR) -> subprocess.CompletedProcess:
     return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def test_the_five_alerts_exist_with_severity_and_summary():
+def test_the_alerts_exist_with_severity_and_summary():
     alerts = _alerts()
     assert set(alerts) == {"VlaunchKVCacheNearlyFull", "VlaunchPreemptionsRising",
                            "VlaunchEngineDown", "VlaunchPredictionErrorHigh",
-                           "VlaunchGPUMemoryBeyondPlan"}
+                           "VlaunchGPUMemoryBeyondPlan", "VlaunchLoadAbovePlannedReplicas",
+                           "VlaunchTTFTAboveSLO", "VlaunchTPOTAboveSLO"}
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in {"info", "warning", "critical"}, name
         assert rule["annotations"]["summary"], name
@@ -104,3 +105,23 @@ def test_alerts_use_only_metrics_the_exporter_emits():
         for metric in metric_names(rule["expr"]):
             if metric.startswith("vlaunch_"):
                 assert metric in emitted, f"{name}: {metric} is not an exporter metric"
+
+
+
+@needs_promtool
+@pytest.mark.parametrize("old,new,alert", [
+    # >= fires on the decode pool whose load is exactly what is up
+    ("> count by (role) (vlaunch_replica_capacity_requests)",
+     ">= count by (role) (vlaunch_replica_capacity_requests)", "VlaunchLoadAbovePlannedReplicas"),
+    # the TPOT SLO (50 ms) in place of the TTFT one: the fast engine's TTFT fires
+    ('vlaunch_plan_slo_seconds{quantity="ttft"}', 'vlaunch_plan_slo_seconds{quantity="tpot"}',
+     "VlaunchTTFTAboveSLO"),
+])
+def test_promtool_tests_catch_a_moved_capacity_or_slo_rule(tmp_path, old, new, alert):
+    rules = RULES.read_text()
+    assert old in rules
+    (tmp_path / "alerts.yaml").write_text(rules.replace(old, new))
+    shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
+    r = _promtool("test", "rules", RULE_TESTS.name, cwd=tmp_path)
+    assert r.returncode != 0
+    assert alert in r.stdout + r.stderr

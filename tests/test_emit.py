@@ -46,14 +46,16 @@ def _args(d: P.Deployment) -> list[str]:
     return engine_argv(d.engine)
 
 
-def test_emit_writes_three_files_that_round_trip(tmp_path):
+def test_emit_writes_its_files_that_round_trip(tmp_path):
     paths = emit_plan(_plan(), tmp_path / "plan")
-    assert [p.name for p in paths] == ["vllm-args", "vllm.env", "plan.json"]
+    # the ScaledObject because the plan has autoscaling (a knee); plan.json last
+    assert _plan().pool.autoscaling is not None
+    assert [p.name for p in paths] == ["vllm-args", "vllm.env", "scaledobject.yaml", "plan.json"]
     assert load_plan(tmp_path / "plan") == _plan()
     assert load_plan(tmp_path / "plan" / "plan.json") == _plan()
     args = (tmp_path / "plan" / "vllm-args").read_text().splitlines()
     assert args == _args(_plan()) and 'it\'s a "model"' in args
-    # Nothing but the three files: the temp files were renamed, not left behind.
+    # Nothing but those files: the temp files were renamed, not left behind.
     assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == sorted(p.name for p in paths)
 
 

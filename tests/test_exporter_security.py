@@ -177,3 +177,36 @@ def test_the_exporter_listens_on_loopback_unless_told():
         assert port > 0
     finally:
         exp.stop()
+
+
+RELAYED = (b"# HELP vllm:num_requests_running Requests running.\n"
+           b"# TYPE vllm:num_requests_running gauge\n"
+           b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+           b"# TYPE vllm:kv_cache_usage_perc gauge\n"
+           b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+           b"# HELP vlaunch_engine_up spoofed\n# TYPE vlaunch_engine_up gauge\n"
+           b"vlaunch_engine_up 1.0\n"
+           b'vllm:prompt_tokens_total{model_name="m"} 138.0')  # no final newline
+
+
+def test_the_exporter_relays_vllms_page_so_prometheus_needs_only_its_port(upstreams,
+                                                                          monkeypatch):
+    """M5 (issue 31): Prometheus is let into the exporter's port only, so the exporter's page
+    must carry vLLM's own series, fetched inside the pod; a vlaunch_* line in vLLM's page is
+    not relayed (ours would appear twice, or be spoofed), and the joined page parses."""
+    up = upstreams({"/metrics": (200, {}, RELAYED)})
+    monkeypatch.delenv(ex.RELAY_ENV, raising=False)
+    plain = ex.Exporter(up.url, gpu_reader=None).render().decode()
+    assert "vllm:num_requests_running" not in plain  # off unless asked: no double counting
+    monkeypatch.setenv(ex.RELAY_ENV, "1")
+    page = ex.Exporter(up.url, gpu_reader=None).render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(page)}
+    assert families["vllm:num_requests_running"].samples[0].value == 3.0
+    assert "vllm:prompt_tokens" in families or "vllm:prompt_tokens_total" in families
+    up_samples = [s for s in families["vlaunch_engine_up"].samples]
+    assert len(up_samples) == 1 and "spoofed" not in page
+    assert page.count("# TYPE vlaunch_engine_up") == 1
+    assert page.endswith("\n")
+    # vLLM down: our page alone, no stale relay
+    dead = ex.Exporter("http://127.0.0.1:9", gpu_reader=None, relay_vllm=True, timeout_s=0.5)
+    assert not re.search(r"^vllm:", dead.render().decode(), flags=re.M)

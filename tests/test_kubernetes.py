@@ -40,6 +40,7 @@ CRD_FILES = {
     ): "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
     ("monitoring.coreos.com", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
     ("monitoring.coreos.com", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
+    ("keda.sh", "ScaledObject"): "keda.sh_scaledobjects.yaml",
 }
 GPU = "nvidia.com/gpu"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -210,7 +211,7 @@ def test_custom_resources_validate_against_published_crds(overlay):
         errors = list(_crd_validator(group, obj["kind"], version).iter_errors(obj))
         assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
         kinds.add(obj["kind"])
-    expected = {"PodMonitor", "PrometheusRule"}
+    expected = {"PodMonitor", "PrometheusRule", "ScaledObject"}
     if name.startswith("deepseek-r1-"):
         expected.add("LeaderWorkerSet")
     assert kinds == expected
@@ -283,7 +284,15 @@ def test_serving_containers_have_health_probes_and_ports(overlay):
         server = _container(spec, "vllm")
         ports = {p["name"]: p["containerPort"] for p in server.get("ports", [])}
         if where.endswith("workerTemplate"):
-            assert "http" not in ports  # headless: nothing to probe or load-balance
+            assert "http" not in ports  # headless: no API to load-balance
+            # ... but probed on its exporter's page (issue 31: workers had no probes)
+            assert ports == {"metrics": 9400}, where
+            for probe in ("startupProbe", "livenessProbe"):
+                get = server[probe]["httpGet"]
+                assert get["path"] == "/metrics" and ports[get["port"]] == 9400, (where, probe)
+            args = _argv(server)
+            assert args[args.index("--metrics-port") + 1] == "9400", where
+            assert args[args.index("--metrics-bind") + 1] == "0.0.0.0", where
             continue
         serving += 1
         assert ports == {"http": 8000, "metrics": 9400}, where
@@ -300,7 +309,9 @@ def test_service_and_podmonitor_select_the_serving_pods(overlay):
     # The API only: the exporter is scraped on the pods, never load-balanced (issue 23).
     assert {p["port"] for p in svc["spec"]["ports"]} == {8000}
     scraped = {e["port"] for e in mon["spec"]["podMetricsEndpoints"]}
-    assert scraped == {"http", "metrics"}
+    # The exporter only: it relays vLLM's page, so Prometheus needs no way into port 8000,
+    # which also serves /invocations unauthenticated (issue 31, M5).
+    assert scraped == {"metrics"}
     for where, template in _pod_templates(objs):
         labels = template["metadata"]["labels"]
         assert mon["spec"]["selector"]["matchLabels"].items() <= labels.items(), where
@@ -579,6 +590,7 @@ def test_planner_gets_no_hf_token(overlay):
 # ---- exposure and supply chain (issue 23) ---------------------------------------------------
 
 GATEWAY_NS, MONITORING_NS = "vlaunch-gateway", "monitoring"
+GATEWAY_LABEL, PROMETHEUS_LABEL = "vlaunch-api-client", "app.kubernetes.io/name"
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP = "leaderworkerset.sigs.k8s.io/group-index"
 # Ports inside a group: torch.distributed's master port, vLLM's DP RPC port, Ray's, an NCCL one.
@@ -650,18 +662,28 @@ def test_network_policies_admit_only_gateway_monitoring_and_the_group(overlay):
         def allowed(ns, port, src=None, dst=dst, named=named):
             return _ingress_allowed(policies, dst, named, ns, src or {"app": "other"}, port)
 
+        gateway, prometheus = {GATEWAY_LABEL: "true"}, {PROMETHEUS_LABEL: "prometheus"}
+
         # No one else: another namespace, and an unrelated pod of the same namespace.
         for port in (8000, 9400, *INTERNAL_PORTS):
             assert not allowed("default", port), (where, port)
             assert not allowed("vlaunch", port), (where, port)
-        # The gateway reaches the API and nothing else.
-        assert allowed(GATEWAY_NS, 8000) == serves, where
-        for port in (9400, *INTERNAL_PORTS):
+        # The gateway's labelled pods reach the API and nothing else; its other pods nothing,
+        # and the label does not open the door from another namespace (issue 31, M5).
+        assert allowed(GATEWAY_NS, 8000, gateway) == serves, where
+        for port in (8000, 9400, *INTERNAL_PORTS):
             assert not allowed(GATEWAY_NS, port), (where, port)
-        # Monitoring reaches the exporter (and vLLM's /metrics, which shares the API port).
+            assert not allowed("default", port, gateway), (where, port)
+            assert not allowed("default", port, prometheus), (where, port)
+        for port in (9400, *INTERNAL_PORTS):
+            assert not allowed(GATEWAY_NS, port, gateway), (where, port)
+        # Prometheus's pods reach the exporter only; not vLLM's port, whose /invocations
+        # answers without a key. Other pods of the monitoring namespace reach nothing.
         if serves:
-            assert allowed(MONITORING_NS, 9400) and allowed(MONITORING_NS, 8000), where
-        for port in INTERNAL_PORTS:
+            assert allowed(MONITORING_NS, 9400, prometheus), where
+        for port in (8000, *INTERNAL_PORTS):
+            assert not allowed(MONITORING_NS, port, prometheus), (where, port)
+        for port in (8000, 9400, *INTERNAL_PORTS):
             assert not allowed(MONITORING_NS, port), (where, port)
         # The group's internal ports: only from pods of the same group.
         for other, template2 in _pod_templates(objs):
@@ -673,6 +695,18 @@ def test_network_policies_admit_only_gateway_monitoring_and_the_group(overlay):
                 assert allowed("vlaunch", port, peer), (where, other, port)
                 assert not allowed("vlaunch", port, stranger), (where, other, port)
                 assert not allowed("default", port, peer), (where, other, port)
+
+
+def test_the_scraped_exporter_relays_vllms_metrics(overlay):
+    """Prometheus reaches only the exporter, so each serving container must tell the exporter
+    to relay vLLM's page (the dashboard and alerts read vllm:* series)."""
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        server = _container(template["spec"], "vllm")
+        if "http" not in {p["name"] for p in server.get("ports", [])}:
+            continue  # a headless worker: nothing to relay
+        env = {e["name"]: e.get("value") for e in server.get("env", [])}
+        assert env.get("VLAUNCH_METRICS_RELAY") == "1", where
 
 
 def test_network_policy_check_is_not_vacuous():
@@ -787,3 +821,93 @@ def test_image_python_dependencies_are_pinned_by_constraints():
     text = DOCKERFILE.read_text()
     assert re.search(r"PIP_CONSTRAINT=\S*constraints\.txt python3 -m pip install", text)
     assert "COPY deploy/constraints.txt" in text
+
+
+def test_init_containers_share_no_scratch_with_the_server_and_have_a_memory_limit(overlay):
+    """Issue 31: /tmp was one emptyDir for the init containers and the server, so what the
+    planner (or a hostile Hub reply it fetched) left there reached vLLM's scratch; and the plan
+    container had no memory limit. Only the plan handoff (read-only in the server) and the
+    model volume are shared."""
+    _, objs = overlay
+    for where, template in _pod_templates(objs):
+        spec = template["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        main = {m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        for init in spec.get("initContainers", []):
+            for m in init.get("volumeMounts", []):
+                if m["name"] in main:
+                    assert m["name"] in ("plan", "models"), (where, init["name"], m["name"])
+                if m["mountPath"] == "/tmp":
+                    assert "emptyDir" in volumes[m["name"]], where
+        for c in spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                if m["name"] == "plan":
+                    assert m.get("readOnly") is True, (where, c["name"])
+        plan = _container(spec, "plan", init=True)
+        limit = (plan.get("resources", {}).get("limits") or {}).get("memory")
+        assert limit and limit == plan["resources"]["requests"]["memory"], where
+
+
+# ---- autoscaling ------------------------------------------------------------------------------
+
+
+def test_scaled_object_scales_the_workload_on_vllm_gauges_at_the_plans_targets(overlay):
+    """One ScaledObject owns the overlay's workload; its triggers are vLLM's own gauges (never
+    the removed vllm:gpu_cache_usage_perc) at the plan's autoscaling figures, and its windows are
+    no shorter than the plan's start-up (or the HPA's 3,600 s ceiling)."""
+    name, objs = overlay
+    (so,) = _of_kind(objs, "ScaledObject")
+    ref = so["spec"]["scaleTargetRef"]
+    (target,) = [o for o in objs if o["kind"] == ref["kind"]
+                 and o["metadata"]["name"] == ref["name"]]
+    assert target["apiVersion"] == ref["apiVersion"]
+    assert "replicas" not in target["spec"], "the ScaledObject owns the replica count"
+    if target["kind"] == "Deployment":
+        assert target["spec"]["strategy"]["type"] != "Recreate"
+    text = json.dumps(so)
+    assert "gpu_cache_usage_perc" not in text
+    queries = {t["name"]: t["metadata"]["query"] for t in so["spec"]["triggers"]}
+    for metric in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                   "vllm:kv_cache_usage_perc"):
+        assert sum(metric in q for q in queries.values()) == 1, metric
+    folder = "overlays/" + ("deepseek-r1-2x8xh100" if name.endswith("-deepep") else name)
+    gen = _generator()
+    kind, gpus = gen.TIMING_TARGETS[folder]
+    a = gen.plan_for(_model(objs), gpus, gen.MAX_REPLICAS[folder]).pool.autoscaling
+    got = {t["name"]: float(t["metadata"]["threshold"]) for t in so["spec"]["triggers"]}
+    assert got == {"vllm-running": a.target_running_per_replica,
+                   "vllm-waiting": a.target_waiting_per_replica,
+                   "vllm-kv-usage": a.kv_usage_threshold}
+    spec = so["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (a.min_replicas,
+                                                                  a.max_replicas)
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    for way in ("scaleUp", "scaleDown"):
+        window = behavior[way]["stabilizationWindowSeconds"]
+        assert window >= min(a.startup_s, 3600) and window <= 3600, (way, window)
+
+
+def test_scaled_object_crd_check_is_not_vacuous():
+    objs = _kustomize(K8S / "overlays" / "cpu-demo")
+    (so,) = _of_kind(objs, "ScaledObject")
+    validator = _crd_validator("keda.sh", "ScaledObject", "v1alpha1")
+    assert not list(validator.iter_errors(so))
+    bad = copy.deepcopy(so)
+    bad["spec"]["maxReplicas"] = 3  # KEDA's field is maxReplicaCount
+    assert list(validator.iter_errors(bad))
+    bad = copy.deepcopy(so)
+    del bad["spec"]["triggers"][0]["type"]
+    assert list(validator.iter_errors(bad))
+
+
+def test_pods_plan_the_pool_the_scaled_object_scales(overlay):
+    """The init container plans with the ScaledObject's bounds and the model volume as the
+    weights' path, so the exporter's capacity per replica is the trigger's threshold."""
+    name, objs = overlay
+    folder = "overlays/" + ("deepseek-r1-2x8xh100" if name.endswith("-deepep") else name)
+    (so,) = _of_kind(objs, "ScaledObject")
+    for where, template in _pod_templates(objs):
+        args = _argv(_container(template["spec"], "plan", init=True))
+        assert args[args.index("--weights-from") + 1] == "volume", where
+        assert int(args[args.index("--max-replicas") + 1]) == so["spec"]["maxReplicaCount"] \
+            == _generator().MAX_REPLICAS[folder], where

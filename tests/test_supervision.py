@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from launcher.deployment.codec import dump
@@ -538,7 +539,8 @@ def fake_ray(tmp_path: Path, monkeypatch):
         f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
         "if '--head' in sys.argv and os.environ.get('RAY_FAIL'):\n"
         "    sys.stderr.write('ConnectionError: ray head could not bind port 6379\\n')\n"
-        "    sys.exit(1)\n")
+        "    sys.exit(1)\n"
+        "import time; time.sleep(float(os.environ.get('RAY_SLEEP') or 0))\n")
     (bin_dir / "ray").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return lambda: [json.loads(x) for x in calls.read_text().splitlines()] \
@@ -562,6 +564,48 @@ def test_ray_worker_runs_ray_start_not_vllm(env, model, tmp_path, fake_ray):
     assert rc == 0 and words == ["ray", "start", "--address=10.0.0.1:6379", "--block"]
     _run_node(launch, plan, tmp_path, dry_run=False)
     assert fake_ray() == [["start", "--address=10.0.0.1:6379", "--block"]]
+
+
+def test_a_worker_serves_its_gpus_for_the_probes_and_no_engine_series(env, model, tmp_path,
+                                                                       fake_ray, monkeypatch):
+    """Issue 31: worker pods had no probes. A headless worker's vlaunch serves an exporter
+    page (its GPUs) the manifests probe; it carries no engine series (there is no API to
+    scrape, so vlaunch_engine_up would be 0 and page EngineDown) and no plan series."""
+    monkeypatch.setenv("RAY_SLEEP", "30")
+    plan = _ray_plan(model)
+    launch = build_launch(dump(plan), environ={}, role="worker", leader_address="10.0.0.1")
+    lines: list[str] = []
+    pages: list[str] = []
+
+    def scrape() -> None:  # run_node must own the main thread (it forwards signals)
+        end = time.monotonic() + 30
+        url = None
+        while url is None and time.monotonic() < end:
+            url = next((ln.split(" on ", 1)[1] for ln in lines if "worker metrics" in ln), None)
+            time.sleep(0.05)
+        if url:
+            pages.append(urllib.request.urlopen(url, timeout=10).read().decode())  # noqa: S310
+        for pid in [p for p in psutil.pids() if _is_fake_ray(p, tmp_path)]:
+            os.kill(pid, signal.SIGTERM)  # end the fake `ray start --block`
+
+    t = threading.Thread(target=scrape, daemon=True)
+    t.start()
+    run_node(launch, plan, port=None, metrics_port=0, metrics_bind="127.0.0.1",
+             log_dir=tmp_path, verbose=False, startup_timeout=20, stop_timeout=5,
+             out=lines.append, dry_run=False)
+    t.join(30)
+    assert pages, lines
+    samples = [ln for ln in pages[0].splitlines() if ln and not ln.startswith("#")]
+    assert samples and not any(ln.startswith(("vlaunch_engine_up", "vlaunch_engine_starting",
+                                              "vlaunch_plan", "vlaunch_kv"))
+                               for ln in samples), samples
+
+
+def _is_fake_ray(pid: int, tmp_path: Path) -> bool:
+    try:
+        return str(tmp_path / "bin" / "ray") in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
 
 
 def test_ray_leader_starts_the_head_then_vllm(env, model, tmp_path, fake_ray):
@@ -671,6 +715,24 @@ def test_port_answers_is_false_for_a_closed_port():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening
         assert not port_answers("127.0.0.1", port)
+
+
+def test_serve_records_the_start_up_and_the_next_plan_uses_it(env, model, tmp_path):
+    """serve times the fake engine's phases to ready; a plan of the same setup then carries
+    that start-up (source measured) and its autoscaling windows follow it."""
+    from launcher.predict.search.planner import make_plan
+
+    env("ready", lifetime=1)
+    result, lines = _serve(model, log_dir=tmp_path, max_attempts=1)
+    text = "\n".join(lines)
+    assert [a.outcome for a in result.attempts] == ["serving"], text
+    (line,) = [x for x in lines if "start-up took" in x]
+    measured_s = float(line.split("start-up took ")[1].split(" s")[0])
+    d = make_plan(load_model(str(model)), parse_gpus("cpu"), Pins()).to_dict()
+    assert d["startup"]["source"] == "measured"
+    assert d["startup"]["seconds"] == pytest.approx(measured_s, abs=0.06)
+    assert "starting" in d["startup"]["terms"]
+    assert d["autoscaling"]["scale_up_stabilization_s"] >= d["startup"]["seconds"]
 
 
 def test_startup_phases_print_behind_a_bar_of_the_deadline_spent(env, model, tmp_path):

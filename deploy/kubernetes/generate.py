@@ -17,6 +17,10 @@ from a plan of the kustomization's model (`emit.startup_budget_s`), not written 
 termination grace period is vlaunch's stop timeout plus a margin, so the kubelet's SIGKILL never
 cuts vLLM's drain short.
 
+Autoscaling (generated/scaledobject.yaml in base and in each overlay): the KEDA ScaledObject
+`vlaunch plan --emit` writes for the kustomization's model, so its thresholds (the replica's
+capacity at the SLO knee) and windows (its start-up over the model volume) are the plan's.
+
 Usage: python deploy/kubernetes/generate.py [--check]   (`make manifests`)
 """
 
@@ -58,6 +62,11 @@ TIMING_TARGETS: dict[str, tuple[str, str]] = {
     "overlays/deepseek-r1-2x8xh100": ("LeaderWorkerSet", "2x8xH100"),
     "overlays/cpu-demo": ("Deployment", "cpu"),
 }
+# The most replicas each kustomization's ScaledObject may run: a deployment's choice (how many
+# GPU nodes it may take), not a figure of the model; edit and re-run. The thresholds and windows
+# are the plan's (launcher/predict/capacity/autoscaling.py).
+MAX_REPLICAS = {"base": 4, "overlays/deepseek-v3-8xh200": 4, "overlays/deepseek-r1-2x8xh100": 2,
+                "overlays/cpu-demo": 2}
 PROBE_PERIOD_S = 10
 # After vLLM has drained (vlaunch's stop timeout), vlaunch itself still stops the exporter,
 # reaps the process group and exits; the kubelet's SIGKILL must come after all of that.
@@ -110,18 +119,22 @@ def _model_ref(model: str) -> Iterator[str]:
         yield str(folder)
 
 
-def plan_for(model: str, gpus: str) -> Any:
-    """The plan `vlaunch plan MODEL --gpus GPUS` makes, ignoring this machine's caches (lessons
-    learnt here must not change what is committed)."""
+def plan_for(model: str, gpus: str, max_replicas: int | None = None) -> Any:
+    """The plan `vlaunch plan MODEL --gpus GPUS [--max-replicas N] --weights-from volume`
+    makes (a pod reads its weights from the model PVC), ignoring this machine's caches
+    (lessons learnt here must not change what is committed)."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
+    from launcher.predict.capacity.autoscaling import ScalingAsk
     from launcher.predict.search.planner import Pins, make_plan
 
     saved = os.environ.get("VLAUNCH_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache, _model_ref(model) as ref:
         os.environ["VLAUNCH_CACHE_DIR"] = cache
         try:
-            return make_plan(load_model(ref), parse_gpus(gpus), Pins()).deployment()
+            return make_plan(load_model(ref), parse_gpus(gpus), Pins(),
+                             scaling=ScalingAsk(max_replicas=max_replicas),
+                             load_path="volume").deployment()
         finally:
             if saved is None:
                 os.environ.pop("VLAUNCH_CACHE_DIR", None)
@@ -216,9 +229,17 @@ def render(alerts: Path = ALERTS, dashboard: Path = DASHBOARD) -> dict[Path, str
         # Verbatim: Grafana's sidecar reads the JSON as is.
         OUT / "vlaunch-dashboard.json": dashboard.read_text(encoding="utf-8"),
     }
+    from launcher.run.emit import scaled_objects_text
+
     for folder, (kind, gpus) in TIMING_TARGETS.items():
-        t = timing(kustomization_model(HERE / folder), gpus)
+        model = kustomization_model(HERE / folder)
+        t = timing(model, gpus)
         files[HERE / folder / "generated" / "timing.yaml"] = timing_patch(kind, t)
+        plan = plan_for(model, gpus, MAX_REPLICAS[folder])
+        files[HERE / folder / "generated" / "scaledobject.yaml"] = (
+            f"# For {model} on {gpus}: `vlaunch plan --max-replicas {MAX_REPLICAS[folder]} "
+            "--weights-from volume --emit` (deploy/kubernetes/generate.py).\n"
+            + scaled_objects_text(plan, kind=kind))
     return files
 
 

@@ -16,19 +16,22 @@ class _Group(click.Group):
     """Turns vlaunch's own errors into one line and an exit code."""
 
     def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except InputError as e:
-            term.echo(f"vlaunch: error: {e}", err=True)
-            ctx.exit(e.exit_code)
-        except NotFitError as e:
-            term.echo(f"vlaunch: {e}", err=True)
-            ctx.exit(e.exit_code)
-        except OSError as e:  # a path the user gave that cannot be read or written
-            where = f" {e.filename}" if e.filename else ""
-            term.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the path "
-                      "and its permissions", err=True)
-            ctx.exit(2)
+        from ..printable import guarded
+
+        with guarded():  # nothing from a config, log or plan drives the terminal (printable.py)
+            try:
+                return super().invoke(ctx)
+            except InputError as e:
+                term.echo(f"vlaunch: error: {e}", err=True)
+                ctx.exit(e.exit_code)
+            except NotFitError as e:
+                term.echo(f"vlaunch: {e}", err=True)
+                ctx.exit(e.exit_code)
+            except OSError as e:  # a path the user gave that cannot be read or written
+                where = f" {e.filename}" if e.filename else ""
+                term.echo(f"vlaunch: error: cannot use{where}: {e.strerror or e}; check the "
+                          "path and its permissions", err=True)
+                ctx.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

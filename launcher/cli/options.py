@@ -121,14 +121,40 @@ def workload_options(f=None, *, concurrency: bool = True):
     return f
 
 
+_SCALING_KEYS = ("min_replicas", "max_replicas", "users", "rps", "weights_from")
+
+
+def scaling_options(f):
+    """The pool's size for its autoscaling (the plan's `autoscaling`, the ScaledObject)."""
+    for opt in reversed([
+        click.option("--min-replicas", type=int, help="Fewest replicas of the pool [1]."),
+        click.option("--max-replicas", type=int, help="Most replicas of the pool [the minimum, "
+                     "or what --users/--rps need]."),
+        click.option("--users", type=int, help="Size the pool for N users (as capacity does)."),
+        click.option("--rps", type=float, help="Size the pool for R requests/s arriving."),
+        click.option("--weights-from", type=click.Choice(["local", "volume", "hub"]),
+                     help="Where a new replica reads its weights, for its start-up time "
+                          "[local for a folder or the HF cache, else hub]."),
+    ]):
+        f = opt(f)
+    return f
+
+
 def split_goals(kw: dict) -> dict:
-    """Pop the workload options out of `kw` and turn them into make_plan's keywords."""
+    """Pop the workload (and pool size) options out of `kw`: make_plan's keywords."""
     from ..inputs.workload import parse_slo, resolve_workload
+    from ..predict.capacity.autoscaling import ScalingAsk
 
     raw = {k: kw.pop(k, None) for k in _WORKLOAD_KEYS}
-    return {"workload": resolve_workload(raw["input_len"], raw["output_len"], raw["workload"]),
-            "objective": raw["objective"], "slo": parse_slo(raw["slo"]),
-            "concurrency": raw["concurrency"]}
+    goals = {"workload": resolve_workload(raw["input_len"], raw["output_len"], raw["workload"]),
+             "objective": raw["objective"], "slo": parse_slo(raw["slo"]),
+             "concurrency": raw["concurrency"]}
+    if any(k in kw for k in _SCALING_KEYS):
+        sc = {k: kw.pop(k, None) for k in _SCALING_KEYS}
+        goals["load_path"] = sc.pop("weights_from")
+        goals["scaling"] = ScalingAsk(**sc)
+        goals["scaling"].validate()
+    return goals
 
 
 def revision_option(f):

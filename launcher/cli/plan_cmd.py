@@ -14,6 +14,7 @@ from .options import (
     pin_option,
     plan_options,
     revision_option,
+    scaling_options,
     split_goals,
     workload_options,
 )
@@ -33,17 +34,21 @@ from .options import pins as _pins
               help="Seconds allowed for each fetch of vLLM's /metrics.")
 @click.option("--cache-ttl", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
               help="Seconds a fetch of vLLM's /metrics is reused across scrapes.")
+@click.option("--relay-vllm/--no-relay-vllm", default=None,
+              help="End the page with vLLM's own /metrics, so Prometheus needs only this port "
+                   "(default: VLAUNCH_METRICS_RELAY=1 turns it on; the manifests do).")
 @format_option("text: what it serves, one line each; json: the same as JSON lines "
                "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
-                 cache_ttl: float, fmt: str) -> None:
+                 cache_ttl: float, relay_vllm: bool | None, fmt: str) -> None:
     """Serve vlaunch's KV-cache and plan gauges for Prometheus on /metrics."""
     from ..observe import exporter
     from ..run.emit import load_plan, startup_deadline_s
 
     plan = load_plan(plan_path) if plan_path else None
     exp = exporter.Exporter(vllm_url, plan=plan, timeout_s=timeout, cache_ttl_s=cache_ttl,
-                            startup_timeout_s=startup_deadline_s if plan else None)
+                            startup_timeout_s=startup_deadline_s if plan else None,
+                            relay_vllm=relay_vllm)
     if fmt == "json":
         import json
 
@@ -118,6 +123,7 @@ def _write_atomic(path: str, text: str) -> None:
 @click.argument("model")
 @revision_option
 @plan_options
+@scaling_options
 @format_option("text for people; json or yaml for scripts; args: vLLM's flags, one a line.",
                "yaml", "args")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")
@@ -239,7 +245,6 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     Each option's replica is the plan `vlaunch plan` makes for it. Exit 0 with a
     recommendation, 3 when no option meets the SLO (naming the closest miss), 2 for bad input.
     """
-    import json
 
     from ..inputs.model import load_model
     from ..predict.capacity import capacity
@@ -268,7 +273,7 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
 
         capacity_plot(d, plot_path)
     if fmt == "json":
-        click.echo(json.dumps(d, indent=2))
+        click.echo(capacity.capacity_json(d))
     else:
         term.echo(capacity.render(d, term.width()))
         if mix:

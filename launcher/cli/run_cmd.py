@@ -12,7 +12,7 @@ from ..inputs import vllm_flags as F
 from .group import cli, format_option
 from .options import hardware as _hardware
 from .options import pins as _pins
-from .options import plan_options, revision_option, split_goals
+from .options import plan_options, revision_option, scaling_options, split_goals
 
 
 def _serve_options(f):
@@ -91,6 +91,7 @@ def _stop_timeout(opts: dict) -> float:
 @click.argument("model")
 @revision_option
 @plan_options
+@scaling_options
 @_serve_options
 @click.option("--disaggregate", type=click.Choice(["on", "off"]), default="off",
               show_default=True,

@@ -114,6 +114,8 @@ def dump(d: P.Deployment) -> dict[str, Any]:
         "performance": performance_json(d, d.performance),
         "problem": d.problem,
         "serving": to_json(pool.serving),
+        "startup": to_json(pool.startup),
+        "autoscaling": to_json(pool.autoscaling),
         "objective": d.objective,
         "workload": to_json(d.workload),
         "slo": to_json(d.slo),

@@ -282,6 +282,37 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Startup:
+    """One replica's start-up, term by term (startup_time.py), or as `serve`/`tune` measured
+    it from vLLM's log phases (source "measured")."""
+
+    seconds: float
+    source: Literal["model", "measured"]
+    load_path: Literal["local", "volume", "hub"]
+    terms: Mapping[str, float]
+    assumptions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """A pool's autoscaling targets, derived from one replica's SLO knee and start-up
+    (predict/capacity/autoscaling.py): what the KEDA ScaledObject and the exporter use."""
+
+    role: Role
+    target_running_per_replica: int
+    target_waiting_per_replica: int
+    kv_usage_threshold: float
+    prefill_backlog_s: float | None
+    min_replicas: int
+    max_replicas: int
+    scale_up_stabilization_s: int
+    scale_down_stabilization_s: int
+    startup_s: float
+    basis: Mapping[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Pool:
     """A set of identical engines with one role: today the one `aggregated` pool."""
 
@@ -297,7 +328,8 @@ class Pool:
     performance: Performance | None
     serving: Serving | None
     per_stage: tuple[Stage, ...] = ()
-    autoscaling: Mapping[str, Any] | None = None  # issue 27 fills this
+    autoscaling: Autoscaling | None = None  # issue 27 (predict/capacity/autoscaling.py)
+    startup: Startup | None = None  # issue 27 (predict/capacity/startup_time.py)
     transfer: Mapping[str, Any] | None = None  # issue 26 (P/D KV transfer) fills this
 
 

@@ -115,6 +115,7 @@ def generate() -> dict[str, Any]:
         "suggestions": t(tuple[P.Reason, ...]),
         "alternatives": {"type": "array", "items": {"$ref": "#/$defs/alternative_block"}},
         "performance": perf, "problem": t(str | None), "serving": t(P.Serving | None),
+        "startup": t(P.Startup | None), "autoscaling": t(P.Autoscaling | None),
         "objective": t(P.Objective), "workload": t(P.Workload | None),
         "slo": t(P.SLO | None), "deployment": t(P.Kind),
         "pools": {"type": "array", "items": {"$ref": "#/$defs/pool_block"}, "minItems": 1},

@@ -23,39 +23,20 @@ says which layers cache a sliding window, a chunk or a recurrent state instead o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from .cache_layout import CacheLayout, cache_layout, layer_kinds
+from .cache_layout import merged_config as _merged
+from .tensor_group import Tensor
+from .tensor_group import linear as _linear
+from .tensor_group import vec as _vec
+from .vision_towers import llama4_vision as _llama4_vision
+from .vision_towers import pixtral_tower as _pixtral_tower
+from .vision_towers import qwen_vit as _qwen_vit
+from .vision_towers import siglip_tower as _siglip_tower
+from .vision_towers import vision_linear as _vision_linear
 
-@dataclass(frozen=True)
-class Tensor:
-    """A group of `count` identical tensors of shape (rows, cols)."""
-
-    name: str
-    rows: int
-    cols: int = 1
-    count: int = 1
-    shard: str = "replicated"  # column | row | kv | vocab | replicated | expert_column | expert_row
-    part: str = "norm"
-    layer: int | None = None
-    quant: bool = False  # a linear weight the checkpoint's quantization format covers
-    dtype: str | None = None  # stored dtype when it differs from the model's (fp32 biases)
-    heads: int = 0  # kv: number of KV heads, for replication once TP exceeds them
-    loaded: bool = True  # False: stored in the checkpoint, not loaded by vLLM (MTP)
-
-    @property
-    def elements(self) -> int:
-        return self.rows * self.cols * self.count
-
-
-def _linear(name: str, out: int, inp: int, shard: str, part: str, layer: int | None,
-            count: int = 1, quant: bool = True, loaded: bool = True, heads: int = 0) -> Tensor:
-    return Tensor(name, out, inp, count, shard, part, layer, quant, None, heads, loaded)
-
-
-def _vec(name: str, size: int, part: str, layer: int | None, count: int = 1,
-         dtype: str | None = None, loaded: bool = True, shard: str = "replicated") -> Tensor:
-    return Tensor(name, size, 1, count, shard, part, layer, False, dtype, 0, loaded)
+__all__ = ["ARCHITECTURES", "CacheLayout", "Tensor", "cache_layout", "decoder", "layer_kinds"]
 
 
 # --------------------------------------------------------------------------- DeepSeek / MLA
@@ -171,11 +152,6 @@ def deepseek(c: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- GQA decoders
 
 
-def _merged(c: dict[str, Any]) -> dict[str, Any]:
-    """Top-level keys overlaid by text_config: multimodal configs keep the LM's keys there."""
-    return {**c, **(c.get("text_config") or {})}
-
-
 def _tied(c: dict[str, Any], default: bool) -> bool:
     """Whether lm_head shares the embedding. `default` is the transformers config class default
     for the architecture (True for Gemma, False for Llama-style models) when the key is absent.
@@ -276,90 +252,6 @@ def decoder(c: dict[str, Any]) -> dict[str, Any]:
         experts_per_token=c.get("num_experts_per_tok") or 0,
         moe_intermediate=moe_inter if experts else 0,
         intermediate_size=c.get("intermediate_size") or 0)
-
-
-# --------------------------------------------------------------------------- vision towers
-# Vision towers are small next to their language models (0.4-0.6 B). vLLM tensor-parallelises
-# some of them (SigLIP, Qwen's ViT), but they are described here as part="vision",
-# shard="replicated", layer=None (first pipeline stage): a slight over-estimate per rank.
-
-
-def _vision_linear(name: str, out: int, inp: int, count: int, bias: bool) -> list[Tensor]:
-    t = [Tensor(name, out, inp, count, "replicated", "vision", None, quant=False)]
-    if bias:
-        t.append(Tensor(name + ".bias", out, 1, count, "replicated", "vision", None))
-    return t
-
-
-def _vit_blocks(depth: int, h: int, inter: int, norms: int, bias: bool,
-                gated: bool) -> list[Tensor]:
-    """`depth` pre-norm ViT blocks: q/k/v/o (h x h each), an MLP (gated: gate+up+down) and
-    `norms` norm vectors of h per block (LayerNorm weight+bias counts as 2)."""
-    t = _vision_linear("vision.qkv", 3 * h, h, depth, bias)
-    t += _vision_linear("vision.o", h, h, depth, bias)
-    t += _vision_linear("vision.fc1", (2 if gated else 1) * inter, h, depth, bias)
-    t += _vision_linear("vision.fc2", h, inter, depth, bias)
-    t.append(Tensor("vision.norms", norms * h, 1, depth, "replicated", "vision", None))
-    return t
-
-
-def _siglip_tower(v: dict[str, Any]) -> list[Tensor]:
-    """SigLIP vision encoder (Gemma3): conv patch embedding with bias, learned position
-    embedding over (image_size / patch_size)^2 patches, LayerNorm (weight+bias) x2 per block,
-    biased linears, a post-LayerNorm, and an optional attention-pooling head."""
-    h, inter, ch = v["hidden_size"], v["intermediate_size"], v.get("num_channels", 3)
-    p = v["patch_size"]
-    patches = (v["image_size"] // p) ** 2
-    t = _vision_linear("vision.patch_embed", h, ch * p * p, 1, True)
-    t.append(Tensor("vision.position_embedding", patches, h, 1, "replicated", "vision", None))
-    t += _vit_blocks(v["num_hidden_layers"], h, inter, norms=4, bias=True, gated=False)
-    t.append(Tensor("vision.post_layernorm", 2 * h, 1, 1, "replicated", "vision", None))
-    if v.get("vision_use_head", False):  # probe + multi-head attention pooling + LN + MLP
-        t.append(Tensor("vision.head.probe", h, 1, 1, "replicated", "vision", None))
-        t += _vision_linear("vision.head.in_proj", 3 * h, h, 1, True)
-        t += _vision_linear("vision.head.out_proj", h, h, 1, True)
-        t.append(Tensor("vision.head.layernorm", 2 * h, 1, 1, "replicated", "vision", None))
-        t += _vision_linear("vision.head.fc1", inter, h, 1, True)
-        t += _vision_linear("vision.head.fc2", h, inter, 1, True)
-    return t
-
-
-def _pixtral_tower(v: dict[str, Any]) -> list[Tensor]:
-    """Pixtral vision encoder (Mistral3): bias-free conv patch embedding, RMSNorm ln_pre, blocks
-    with two RMSNorms, bias-free attention and a gated SiLU MLP; rotary (2-D) positions, so no
-    position table."""
-    h, inter, ch, p = v["hidden_size"], v["intermediate_size"], v.get("num_channels", 3), \
-        v["patch_size"]
-    t = _vision_linear("vision.patch_conv", h, ch * p * p, 1, False)
-    t.append(Tensor("vision.ln_pre", h, 1, 1, "replicated", "vision", None))
-    t += _vit_blocks(v["num_hidden_layers"], h, inter, norms=2, bias=False, gated=True)
-    return t
-
-
-def _qwen_vit(v: dict[str, Any]) -> list[Tensor]:
-    """Qwen3-VL / Qwen3.5 vision tower: Conv3d patch embedding (temporal x patch x patch, with
-    bias), learned position table, LayerNorm blocks with biased linears, and patch mergers that
-    concatenate spatial_merge_size^2 neighbours and project to the LM width (one final merger,
-    plus one per deepstack index with its norm after the shuffle)."""
-    h, inter = v["hidden_size"], v["intermediate_size"]
-    p, tp, ch = v["patch_size"], v.get("temporal_patch_size", 2), v.get("in_channels", 3)
-    m = v.get("spatial_merge_size", 2)
-    merged, out = h * m * m, v["out_hidden_size"]
-    t = _vision_linear("vision.patch_embed", h, ch * tp * p * p, 1, True)
-    t.append(Tensor("vision.pos_embed", v["num_position_embeddings"], h, 1, "replicated",
-                    "vision", None))
-    t += _vit_blocks(v["depth"], h, inter, norms=4, bias=True, gated=False)
-
-    def merger(norm_width: int) -> list[Tensor]:
-        return ([Tensor("vision.merger.norm", 2 * norm_width, 1, 1, "replicated", "vision",
-                        None)]
-                + _vision_linear("vision.merger.fc1", merged, merged, 1, True)
-                + _vision_linear("vision.merger.fc2", out, merged, 1, True))
-
-    t += merger(h)
-    for _ in v.get("deepstack_visual_indexes") or []:
-        t += merger(merged)
-    return t
 
 
 # --------------------------------------------------------------------------- Gemma 2 / 3
@@ -570,27 +462,6 @@ def glm4_moe(c: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- Llama 4
 
 
-def _llama4_vision(v: dict[str, Any], text_hidden: int) -> list[Tensor]:
-    """Llama 4's vision encoder: an unfolded-conv patch embedding (no bias), a class token, a
-    position table over (image_size / patch_size)^2 + 1 patches, LayerNorms before and after
-    the blocks, biased ViT blocks, a pixel-shuffle MLP (intermediate -> projector_input_dim ->
-    projector_output_dim, no biases) and the projector to the text width (vision_output_dim
-    -> hidden, no bias)."""
-    h, inter, ch, p = v["hidden_size"], v["intermediate_size"], v.get("num_channels", 3), \
-        v["patch_size"]
-    patches = (v["image_size"] // p) ** 2 + 1
-    t = _vision_linear("vision.patch_embedding", h, ch * p * p, 1, False)
-    t += [Tensor("vision.class_embedding", h, 1, 1, "replicated", "vision", None),
-          Tensor("vision.positional_embedding", patches, h, 1, "replicated", "vision", None),
-          Tensor("vision.layernorm_pre+post", 4 * h, 1, 1, "replicated", "vision", None)]
-    t += _vit_blocks(v["num_hidden_layers"], h, inter, norms=4, bias=True, gated=False)
-    pin, pout = v["projector_input_dim"], v["projector_output_dim"]
-    t += _vision_linear("vision.adapter.fc1", pin, inter, 1, False)
-    t += _vision_linear("vision.adapter.fc2", pout, pout, 1, False)
-    t += _vision_linear("projector.linear_1", text_hidden, v["vision_output_dim"], 1, False)
-    return t
-
-
 def llama4(c: dict[str, Any]) -> dict[str, Any]:
     """Llama 4 Scout / Maverick (llama4 with its vision tower, llama4_text): GQA with weightless
     L2 q/k norms, chunked attention on RoPE layers (layer_kinds), MoE every
@@ -669,68 +540,6 @@ def _qwen3_5_layer(c: dict[str, Any], layer: int, full: bool, loaded: bool = Tru
     else:
         t += _dense_mlp(h, c["intermediate_size"], layer, loaded=loaded)
     return t
-
-
-def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
-    """Cache kind of each decoder layer: "full", "sliding", "chunked" or "linear".
-
-    Where vLLM reads it: ``layer_types`` when the config has it (llama.py, gemma3.py,
-    gpt_oss.py, qwen3_next.py); Gemma 2 alternates from a sliding first layer; Gemma 3 without
-    layer_types has one full layer every sliding_window_pattern; a Mistral ``sliding_window``
-    with no layer_types windows every layer (Attention takes cache_config.sliding_window);
-    Llama 4 attends chunk-locally on every RoPE layer (llama4.py: not nope and
-    attention_chunk_size); Qwen2's sliding switch; full_attention_interval for linear hybrids.
-    launcher/predict/memory/kvcache.py turns the kinds into cache specs.
-    """
-    c = _merged(cfg)
-    layers = int(c["num_hidden_layers"])
-    names = {"full_attention": "full", "sliding_attention": "sliding",
-             "linear_attention": "linear", "chunked_attention": "chunked"}
-    mt = str(c.get("model_type", ""))
-    if c.get("layer_types"):
-        return tuple(names.get(x, "full") for x in c["layer_types"][:layers])
-    if mt == "gemma2":
-        return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
-    if mt.startswith("gemma3") or mt == "cohere2":
-        every = int(c.get("sliding_window_pattern") or (4 if mt == "cohere2" else 6))
-        return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
-    if mt.startswith("llama4") and c.get("attention_chunk_size"):
-        nope = c.get("no_rope_layers") or [int((i + 1) % 4 != 0) for i in range(layers)]
-        return tuple("chunked" if nope[i] else "full" for i in range(layers))
-    if c.get("full_attention_interval"):
-        every = int(c["full_attention_interval"])
-        return tuple("full" if (i + 1) % every == 0 else "linear" for i in range(layers))
-    if c.get("sliding_window") and c.get("use_sliding_window"):  # Qwen2-style switch
-        return ("sliding",) * layers
-    if mt in ("mistral", "mixtral") and c.get("sliding_window"):
-        return ("sliding",) * layers
-    return ("full",) * layers
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """What the KV cache needs from a config beyond the attention shapes: each layer's kind,
-    the window / chunk sizes, and the gated delta-net state dims (key heads, key dim, value
-    heads, value dim, conv kernel) with the dtype the checkpoint asks for its SSM state."""
-
-    kinds: tuple[str, ...]
-    window: int = 0
-    chunk: int = 0
-    linear: tuple[int, int, int, int, int] | None = None
-    ssm_dtype: str | None = None  # mamba_ssm_dtype (Qwen3.5); None: the model dtype
-
-
-def cache_layout(cfg: dict[str, Any]) -> CacheLayout:
-    c = _merged(cfg)
-    kinds = layer_kinds(cfg)
-    linear = None
-    if "linear" in kinds:
-        linear = (int(c["linear_num_key_heads"]), int(c["linear_key_head_dim"]),
-                  int(c["linear_num_value_heads"]), int(c["linear_value_head_dim"]),
-                  int(c["linear_conv_kernel_dim"]))
-    return CacheLayout(kinds, int(c.get("sliding_window") or 0),
-                       int(c.get("attention_chunk_size") or 0), linear,
-                       c.get("mamba_ssm_dtype"))
 
 
 def qwen3_next(c: dict[str, Any]) -> dict[str, Any]:

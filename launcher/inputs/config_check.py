@@ -10,6 +10,7 @@ required key is reported by the architecture function ("incomplete").
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import InputError
@@ -45,8 +46,18 @@ LAYER_KEYS = ("num_hidden_layers", "depth", "num_nextn_predict_layers", "mtp_num
 MAX_SIZE = 1 << 40
 
 
+# transformers' model_type values are identifiers ("deepseek_v3", "qwen3_5_moe_text"); one
+# carrying anything else is printed in the plan and in errors, so it is refused (issue 31, M4).
+_MODEL_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
 def check_config(cfg: dict[str, Any], name: str) -> None:
     """Raise InputError with one line when `cfg` (config.json contents) is not a model."""
+    for section in (cfg, cfg.get("text_config"), cfg.get("vision_config")):
+        kind = section.get("model_type") if isinstance(section, dict) else None
+        if kind is not None and (not isinstance(kind, str) or not _MODEL_TYPE.match(kind)):
+            _bad(name, "model_type", kind, "a name of letters, digits and _ . - "
+                 "(at most 100), as transformers spells model types")
     sections = [("", cfg)]
     for sub in ("text_config", "vision_config"):
         value = cfg.get(sub)

@@ -30,13 +30,24 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..paths import cache_dir, read_json_object, report_corrupt, update_json_object
+from ..paths import (
+    cache_dir,
+    inside,
+    loads_json,
+    read_json_object,
+    read_small_text,
+    report_corrupt,
+    update_json_object,
+)
 
 __all__ = ["HubModel", "cached", "fetch", "hf_hub_cache", "is_repo_id", "offline"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# A branch, tag or ref as git and the Hub spell them ("main", "v1.0", "refs/pr/1"): no `..`,
+# no empty or dot-led part, nothing but these characters, at most 200 of them.
+_REVISION = re.compile(r"^(?!.*\.\.)(?!.*//)[A-Za-z0-9_][A-Za-z0-9._/+-]{0,199}(?<![/.])$")
 # Bytes per element of each safetensors dtype (the format's own names).
 SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
                      "BF16": 2, "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -74,6 +85,25 @@ def endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
+def shown_endpoint() -> str:
+    """HF_ENDPOINT as printed: a mirror's URL may carry `user:password@` or a `?token=`;
+    neither belongs in an error line or a CI log (issue 31)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        u = urlsplit(endpoint())
+        host = u.hostname or ""
+        netloc = (f"[{host}]" if ":" in host else host) + (f":{u.port}" if u.port else "")
+    except ValueError:
+        return "HF_ENDPOINT (not a URL)"
+    return urlunsplit((u.scheme, netloc, u.path, "", ""))
+
+
+def is_commit(value: object) -> bool:
+    """A Hub commit id: exactly 40 lowercase hex digits, the only form used as a path."""
+    return isinstance(value, str) and bool(_COMMIT.match(value))
+
+
 def hf_hub_cache() -> Path:
     """The HF cache folder huggingface_hub (and so vLLM) uses: HF_HUB_CACHE, else HF_HOME/hub,
     else $XDG_CACHE_HOME/huggingface/hub."""
@@ -88,9 +118,9 @@ def _check(repo_id: str, revision: str | None) -> None:
     if not is_repo_id(repo_id):
         raise InputError(f"'{repo_id}' is not a Hugging Face model id; give ORG/NAME, a local "
                          "model folder or a profile name (see `vlaunch profiles`)")
-    if revision is not None and (not revision.strip() or ".." in revision
-                                 or revision.startswith("/")):
-        raise InputError(f"--revision '{revision}' is not a branch, tag or commit")
+    if revision is not None and not _REVISION.match(revision):
+        raise InputError(f"--revision {revision[:80]!r} is not a branch, tag or commit (letters, "
+                         "digits and . _ - + /, no '..')")
 
 
 # ----------------------------------------------------------------------------- offline
@@ -106,18 +136,19 @@ def cached(repo_id: str, revision: str | None = None) -> HubModel | None:
 
 
 def _from_hf_cache(repo_id: str, revision: str | None) -> HubModel | None:
-    repo = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
+    repo = inside(hf_hub_cache(), "models--" + repo_id.replace("/", "--"))
     rev = revision or "main"
     commit: str | None = rev if _COMMIT.match(rev) else None
     if commit is None:
+        ref = inside(repo / "refs", rev)
         try:
-            commit = (repo / "refs" / rev).read_text(encoding="utf-8").strip()
+            commit = read_small_text(ref, 4096).strip()
         except (OSError, UnicodeDecodeError):
             return None
         if not _COMMIT.match(commit):
-            report_corrupt(repo / "refs" / rev, f"not a commit hash: {commit[:50]!r}")
+            report_corrupt(ref, f"not a commit hash: {commit[:50]!r}")
             return None
-    snap = repo / "snapshots" / commit
+    snap = inside(repo / "snapshots", commit)
     cfg_path = snap / "config.json"
     if not cfg_path.is_file():
         return None
@@ -134,10 +165,7 @@ def _from_hf_cache(repo_id: str, revision: str | None) -> HubModel | None:
 def _read_json_file(path: Path, where: str) -> dict[str, Any]:
     """A small JSON object from a cache the user owns: corrupt is one line naming the file."""
     try:
-        if path.stat().st_size > _MAX_JSON:
-            raise InputError(f"{path} in {where} is too large to be a config; delete it so it "
-                             "is downloaded again")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(read_small_text(path, _MAX_JSON))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"cannot read {path} in {where}: {e}; delete it so it is downloaded "
                          "again") from None
@@ -163,7 +191,7 @@ def safetensors_header_counts(path: Path) -> dict[str, int]:
             size = int.from_bytes(head, "little")
             if len(head) < 8 or size > _MAX_HEADER or 8 + size > path.stat().st_size:
                 raise ValueError(f"header of {size:,} bytes claimed")
-            header = json.loads(f.read(size))
+            header = loads_json(f.read(size))
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise InputError(f"{path} has a corrupt safetensors header ({e}); delete it so it is "
                          "downloaded again") from None
@@ -171,11 +199,44 @@ def safetensors_header_counts(path: Path) -> dict[str, int]:
     for name, t in header.items() if isinstance(header, dict) else ():
         if name == "__metadata__" or not isinstance(t, dict):
             continue
+        shape = t.get("shape") or []
+        if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_COUNT
+                for d in shape):
+            raise InputError(f"{path} has a corrupt safetensors header (tensor {str(name)[:60]!r} "
+                             f"has shape {str(shape)[:60]}, not whole numbers of 0 or more); "
+                             "delete it so it is downloaded again")
         n = 1
-        for d in t.get("shape") or []:
-            n *= int(d)
+        for d in shape:
+            n *= d
         counts[str(t.get("dtype"))] = counts.get(str(t.get("dtype")), 0) + n
-    return counts
+    return check_counts(counts, str(path))
+
+
+MAX_COUNT = 1 << 50
+"""Far above any checkpoint (DeepSeek-V3: 6.7e11 parameters = 2^39.3), low enough that bytes
+stay exact in a float: a larger count is corrupt or hostile, not a model."""
+
+
+def check_counts(params: Any, where: str) -> dict[str, int]:
+    """Parameters per dtype as whole numbers from 0 to MAX_COUNT, or one line saying which is
+    not: a negative count from a hostile Hub or header made −2 TB of weights "fit" one GPU and
+    so opened the init container's does-not-fit gate (issue 31, M2)."""
+    if not isinstance(params, dict):
+        raise InputError(f"parameter counts from {where} are not a table of dtype: count")
+    out: dict[str, int] = {}
+    for k, v in params.items():
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT:
+            raise InputError(f"parameter count {str(v)[:40]} for {str(k)[:20]!r} from {where} "
+                             f"is not a whole number from 0 to {MAX_COUNT:.1e}; check the "
+                             "checkpoint (or HF_ENDPOINT)")
+        out[str(k)] = out.get(str(k), 0) + v
+    if sum(out.values()) > MAX_COUNT:
+        raise InputError(f"{sum(out.values()):.3g} parameters from {where} is more than any "
+                         "checkpoint holds; check the checkpoint (or HF_ENDPOINT)")
+    return out
 
 
 def _local_weights(snap: Path) -> tuple[dict[str, int] | None, int | None]:
@@ -184,7 +245,7 @@ def _local_weights(snap: Path) -> tuple[dict[str, int] | None, int | None]:
     index = snap / "model.safetensors.index.json"
     if index.is_file():
         data = _read_json_file(index, "the HF cache")
-        shards = sorted({str(f) for f in (data.get("weight_map") or {}).values()})
+        shards = index_shards(data, index)
         meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
         total = meta.get("total_size")
         total = total if isinstance(total, int) and not isinstance(total, bool) else None
@@ -197,6 +258,23 @@ def _local_weights(snap: Path) -> tuple[dict[str, int] | None, int | None]:
         params = safetensors_header_counts(single)
         return params, counts_bytes(params)
     return None, None
+
+
+def index_shards(index: dict[str, Any], where: Path | str) -> list[str]:
+    """The shard files an index names: plain names inside the checkpoint folder, at most
+    MAX_SHARDS of them (a hostile index of 3,000 made 3,007 requests; one of `../x` pointed
+    outside the folder)."""
+    from .hub_limits import MAX_SHARDS
+
+    wmap = index.get("weight_map")
+    shards = sorted({str(f) for f in wmap.values()}) if isinstance(wmap, dict) else []
+    if len(shards) > MAX_SHARDS:
+        raise InputError(f"{where} names {len(shards):,} safetensors shards, more than the "
+                         f"{MAX_SHARDS:,} vlaunch reads (the largest public checkpoints have "
+                         "under 200); check the checkpoint")
+    for s in shards:
+        inside(Path("."), s)  # raises for an absolute or climbing name
+    return shards
 
 
 def _sum_counts(parts: Any) -> dict[str, int]:
@@ -218,7 +296,15 @@ def counts_bytes(params: dict[str, int] | None) -> int | None:
 
 
 def _folder(repo_id: str) -> Path:
-    return cache_dir() / "hub" / repo_id.replace("/", "--")
+    return inside(cache_dir() / "hub", repo_id.replace("/", "--"))
+
+
+def _entry_path(repo_id: str, commit: str) -> Path:
+    """vlaunch's cache file for one commit: named only by a 40-hex commit, inside the folder."""
+    if not is_commit(commit):
+        raise InputError(f"refusing {commit[:80]!r} as a commit id of {repo_id}: a commit is "
+                         "40 hex digits")
+    return inside(_folder(repo_id), f"{commit}.json")
 
 
 def _from_vlaunch_cache(repo_id: str, revision: str | None) -> HubModel | None:
@@ -239,7 +325,7 @@ def _from_vlaunch_cache(repo_id: str, revision: str | None) -> HubModel | None:
 
 def _vlaunch_entry(repo_id: str, commit: str) -> HubModel | None:
     """The JSON an earlier lookup kept; a corrupt one is reported once and ignored."""
-    path = _folder(repo_id) / f"{commit}.json"
+    path = _entry_path(repo_id, commit)
     data = read_json_object(path)
     if not data:
         return None
@@ -261,7 +347,7 @@ def _keep(model: HubModel) -> None:
     folder = _folder(model.repo_id)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(folder / f"{model.commit}.json", json.dumps(
+        atomic_write(_entry_path(model.repo_id, model.commit or ""), json.dumps(
             {"repo_id": model.repo_id, "commit": model.commit, "config": model.config,
              "params_by_dtype": model.params_by_dtype, "bytes": model.checkpoint_bytes,
              "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
@@ -284,8 +370,10 @@ def fetch(repo_id: str, revision: str | None = None) -> HubModel:
         raise InputError(f"{repo_id}{_at(revision)} is not in the HF cache ({hf_hub_cache()}) "
                          "nor in vlaunch's cache, and HF_HUB_OFFLINE is set; download it first "
                          f"(hf download {repo_id}) or unset HF_HUB_OFFLINE")
+    from .hub_limits import within_deadline
+
     try:
-        model = _fetch(repo_id, revision)
+        model = within_deadline(lambda: _fetch(repo_id, revision), shown_endpoint())
     except InputError:
         raise
     except Exception as e:  # noqa: BLE001 - every library error becomes one line
@@ -307,13 +395,17 @@ def _fetch(repo_id: str, revision: str | None) -> HubModel:
     api = HfApi(endpoint=endpoint(), token=token)
     info = api.model_info(repo_id, revision=revision, timeout=_TIMEOUT_S)
     commit = info.sha
+    if not is_commit(commit):  # it names a path in both caches and is sent back as revision=
+        raise InputError(f"the Hub at {shown_endpoint()} answered {str(commit)[:60]!r} as the "
+                         f"commit of {repo_id}{_at(revision)}, not 40 hex digits; check "
+                         "HF_ENDPOINT")
     files = {s.rfilename for s in info.siblings or []}
     if "config.json" not in files:
         raise InputError(f"{repo_id}{_at(revision)} has no config.json (vLLM needs a "
                          "transformers-style repo); give a repo or local folder that has one")
 
     def download(name: str) -> dict[str, Any]:
-        path = hf_hub_download(repo_id, name, revision=commit or revision,
+        path = hf_hub_download(repo_id, name, revision=commit,
                                cache_dir=hf_hub_cache(), endpoint=endpoint(), token=token,
                                etag_timeout=_TIMEOUT_S)
         return _read_json_file(Path(path), "the HF cache")
@@ -324,10 +416,12 @@ def _fetch(repo_id: str, revision: str | None) -> HubModel:
     params: dict[str, int] | None = None
     st = getattr(info, "safetensors", None)
     if st is not None and getattr(st, "parameters", None):
-        params = {str(k): int(v) for k, v in st.parameters.items()}
+        params = check_counts(dict(st.parameters), f"the Hub at {shown_endpoint()}")
     elif files & {"model.safetensors", "model.safetensors.index.json"}:
-        meta = api.get_safetensors_metadata(repo_id, revision=commit or revision)
-        params = {str(k): int(v) for k, v in meta.parameter_count.items()}
+        if "model.safetensors.index.json" in files and "model.safetensors" not in files:
+            index_shards(download("model.safetensors.index.json"), f"{repo_id}'s index")
+        meta = api.get_safetensors_metadata(repo_id, revision=commit)
+        params = check_counts(dict(meta.parameter_count), f"{repo_id}'s safetensors headers")
     return HubModel(repo_id, revision, commit, cfg, params, counts_bytes(params), "hub")
 
 
@@ -335,7 +429,7 @@ def _explain(e: Exception, repo_id: str, revision: str | None) -> InputError:
     """One line for what huggingface_hub or the HTTP client raised."""
     name = type(e).__name__
     names = {c.__name__ for c in type(e).__mro__}
-    where = endpoint()
+    where = shown_endpoint()
     if "GatedRepoError" in names:
         return InputError(f"{repo_id} is gated on {where}: accept its licence at "
                           f"{where}/{repo_id} and set HF_TOKEN to a token of that account")
@@ -361,5 +455,6 @@ def _explain(e: Exception, repo_id: str, revision: str | None) -> InputError:
                           "HF_HUB_OFFLINE=1")
     status = getattr(getattr(e, "response", None), "status_code", None)
     detail = str(e).strip().splitlines()[0] if str(e).strip() else name
+    detail = re.sub(r"(://)[^/@\s]*@", r"\1", detail.replace(endpoint(), where))
     return InputError(f"the Hub at {where} refused {repo_id}{_at(revision)}"
                       f"{f' (HTTP {status})' if status else ''}: {detail[:160]}")

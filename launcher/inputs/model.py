@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..paths import profiles_dir, read_yaml
+from ..paths import profiles_dir, read_small_text, read_yaml
 from .arch import ARCHITECTURES, Tensor, decoder
 from .config_check import check_config
 
@@ -192,9 +192,31 @@ def spec_from_config(cfg: dict[str, Any], name: str, **meta: Any) -> ModelSpec:
     except (KeyError, TypeError, ValueError) as e:
         raise InputError(f"config.json of {name} is incomplete for {model_type}: "
                          f"missing or bad {e}") from None
+    _check_sizes(name, shapes, meta)
     return ModelSpec(name=name, hf_id=meta.pop("hf_id", name), architecture=model_type,
                      config=cfg, dtype=_dtype_of(_text_config(cfg) | cfg), quant=_quant_of(cfg),
                      max_context=max_context(cfg), **shapes, **meta)
+
+
+def _check_sizes(name: str, shapes: dict[str, Any], meta: dict[str, Any]) -> None:
+    """The last gate before a model is planned: every tensor's shape and every count the
+    checkpoint gave is finite and not negative. config_check holds the config's keys; this
+    holds what was derived from them and what the Hub or the headers reported, wherever it
+    came from, so no path lets a negative size make a model "fit" (issue 31, M2)."""
+    from .hub import check_counts
+
+    for t in shapes.get("tensors", ()):
+        if min(t.rows, t.cols, t.count) < 0:
+            raise InputError(f"config.json of {name} gives tensor {t.name} the shape "
+                             f"{t.count} x {t.rows} x {t.cols}; sizes cannot be negative")
+    params = meta.get("params_by_dtype")
+    if params:
+        check_counts(dict(params), name)
+    total = meta.get("checkpoint_bytes")
+    if total is not None and (not isinstance(total, int) or isinstance(total, bool)
+                              or not 0 <= total <= 8 * (1 << 50)):
+        raise InputError(f"checkpoint size {str(total)[:40]} bytes of {name} is not a whole "
+                         "number of 0 or more; check the checkpoint")
 
 
 @functools.lru_cache(maxsize=1)
@@ -242,7 +264,7 @@ def _load_dir(path: Path) -> ModelSpec:
     try:
         if cfg_path.stat().st_size > _MAX_CONFIG_BYTES:  # a checkpoint or a binary, not JSON
             raise InputError(f"{cfg_path} is too large to be a config.json; {what}")
-        cfg = finite_json_loads(cfg_path.read_text(encoding="utf-8"))
+        cfg = finite_json_loads(read_small_text(cfg_path, _MAX_CONFIG_BYTES))
     except FileNotFoundError:
         raise InputError(f"no config.json at {cfg_path}; {what}") from None
     except UnicodeDecodeError:
@@ -290,22 +312,22 @@ def finite_json_loads(text: str) -> object:
     """json.loads for files that hold sizes: NaN, Infinity and numbers that overflow to them
     (Python's json accepts all three) are refused as a JSONDecodeError, so the caller's one-line
     error reports them instead of arithmetic on them failing with a traceback much later."""
-    return json.loads(text, parse_constant=_nonfinite, parse_float=_finite_float,
+    from ..paths import loads_json
+
+    return loads_json(text, parse_constant=_nonfinite, parse_float=_finite_float,
                       parse_int=_bounded_int)
 
 
 def _header_counts(folder: Path) -> tuple[tuple[str, int], ...]:
     """Exact elements per dtype from the safetensors headers of a local checkpoint, when every
     file is there (a folder holding only config.json has none)."""
-    from .hub import safetensors_header_counts
+    from .hub import index_shards, safetensors_header_counts
 
     files = [folder / "model.safetensors"]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        data = json.loads(index.read_text(encoding="utf-8"))  # _index_total checked it
-        wmap = data.get("weight_map")
-        files = [folder / str(f) for f in sorted(set(wmap.values()))] \
-            if isinstance(wmap, dict) and wmap else []
+        data = finite_json_loads(read_small_text(index))  # _index_total checked it
+        files = [folder / f for f in index_shards(data, index)] if isinstance(data, dict) else []
     if not files or not all(f.is_file() for f in files):
         return ()
     total: dict[str, int] = {}
@@ -320,7 +342,7 @@ def _index_total(index: Path) -> int | None:
     index that is not a JSON object, or a total that is not a positive integer, is a broken
     checkpoint (vLLM cannot load it either) and would size the weights wrongly."""
     try:
-        data = finite_json_loads(index.read_text(encoding="utf-8"))
+        data = finite_json_loads(read_small_text(index))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"cannot read {index}: {e}; re-download the checkpoint") from None
     if not isinstance(data, dict):

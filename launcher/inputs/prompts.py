@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
+from ..paths import read_small
 
 MAX_DATASET_BYTES = 32 * 1024 * 1024
 """Larger files are refused: acceptance needs tens of prompts, and tune reads the whole file
@@ -89,7 +90,7 @@ def load_prompts(path: str | Path) -> PromptSet:
             raise InputError(f"{where}: {size / 2**20:.0f} MiB is more than the "
                              f"{MAX_DATASET_BYTES // 2**20} MiB accepted; tens of prompts "
                              "are enough, give a sample")
-        data = p.read_bytes()
+        data = read_small(p, MAX_DATASET_BYTES)
         text = data.decode("utf-8")
     except OSError as e:
         raise InputError(f"{where}: cannot read it ({e.strerror or e})") from None

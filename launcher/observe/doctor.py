@@ -38,6 +38,7 @@ from ..predict.search.after_failure import merge_args, replan_pins
 from ..predict.search.plan_inputs import inputs_from_plan
 from ..predict.search.planner import Pins, make_plan
 from ..term import PIPED_WIDTH, fit, shell_lines, wrap
+from .fix_ranges import out_of_range
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)
 
@@ -391,7 +392,16 @@ def apply_log_fixes(report: Report) -> None:
         make = _LOG_FIXES.get(d.cause)
         if make is None:
             continue
-        fix = make(d, report.facts)
+        try:
+            fix = make(d, report.facts)
+        except (ValueError, OverflowError, ZeroDivisionError):  # numbers no engine printed
+            fix = Fix(explain=["the log's numbers for this failure do not parse as sizes; no "
+                               "fix is computed from them"])
+        bad = out_of_range(fix.args)
+        if bad is not None:  # a nonsense log: say so, never print it as a command
+            fix = Fix(env=fix.env, explain=fix.explain + [
+                f"the log's numbers give {bad}, outside what vLLM accepts; they are not a "
+                "real engine's, so no flag is suggested"])
         d.fix_args, d.fix_env = fix.args, fix.env
         d.explain = fix.explain + d.explain
         d.serve_command = serve_command_from_log(report.facts, fix)

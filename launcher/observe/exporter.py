@@ -30,6 +30,7 @@ is up, `set_actual(...)` with the numbers vLLM logged) and standalone (`vlaunch 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -48,6 +49,7 @@ from .families import (
     engine_families,
     gpu_families,
     plan_families,
+    scaling_families,
     self_families,
 )
 from .gpus import GpuReader, GpuRecord, default_gpu_reader, to_gpu_record
@@ -56,6 +58,7 @@ from .scrapeclient import fetch_page, metrics_url
 from .shared_read import SharedRead
 from .vllmpage import DROP_REASONS, NEEDED_FAMILIES, ScrapeError, VllmSnapshot, parse_vllm_metrics
 
+RELAY_ENV = "VLAUNCH_METRICS_RELAY"
 DEFAULT_PORT = 9400
 DEFAULT_BIND = "127.0.0.1"  # this machine only, unless the caller says otherwise
 DEFAULT_TIMEOUT_S = 2.0
@@ -99,12 +102,20 @@ class Exporter:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cache_ttl_s: float = DEFAULT_CACHE_TTL_S,
         startup_timeout_s: float | Callable[[Deployment], float] | None = None,
+        relay_vllm: bool | None = None,
     ):
         self.metrics_url = metrics_url(vllm_url) if vllm_url else None
+        # Relaying: our page ends with vLLM's whole page, so Prometheus scrapes one port (the
+        # exporter's) and vLLM's own port stays closed to it (issue 31, M5). None: as
+        # VLAUNCH_METRICS_RELAY says (the manifests set it; off elsewhere, where Prometheus
+        # scrapes vLLM itself and a relay would count every vllm:* series twice).
+        self.relay = relay_vllm if relay_vllm is not None else \
+            os.environ.get(RELAY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
         # prometheus_client servers honour `name[]` and then render only these families; vLLM
         # 0.32's own /metrics route ignores it and sends everything, which the filter handles.
         query = urllib.parse.urlencode([("name[]", n) for n in NEEDED_FAMILIES])
-        self._fetch_url = f"{self.metrics_url}?{query}" if self.metrics_url else None
+        self._fetch_url = (self.metrics_url if self.relay else f"{self.metrics_url}?{query}") \
+            if self.metrics_url else None
         self.plan: Deployment | None = plan
         self.gpu_reader = default_gpu_reader() if gpu_reader == "auto" else gpu_reader
         self.timeout_s = timeout_s
@@ -128,7 +139,7 @@ class Exporter:
         self._gpu_read: SharedRead | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self._server = MetricsServer(self.registry)
+        self._server = MetricsServer(self.registry, self.render)
 
     # -- inputs from `vlaunch serve` --
 
@@ -205,7 +216,8 @@ class Exporter:
         t0 = time.perf_counter()
         reason = None
         try:
-            snap = parse_vllm_metrics(fetch_page(self._fetch_url, self.timeout_s))
+            snap = parse_vllm_metrics(fetch_page(self._fetch_url, self.timeout_s,
+                                                 keep_raw=self.relay))
         except ScrapeError as e:
             snap, reason = VllmSnapshot(ok=False, error=str(e)), e.reason
         snap.duration_s = time.perf_counter() - t0
@@ -281,6 +293,7 @@ class Exporter:
             dropped = dict(self._dropped)
         yield from engine_families(self.plan, snap, actual, restarts, starting)
         yield from plan_families(self.plan)
+        yield from scaling_families(self.plan, snap)
         if self.gpu_reader is not None:
             yield from gpu_families(gpus)
         yield from self_families(snap, errors, dropped, self._gpu_duration,
@@ -288,8 +301,13 @@ class Exporter:
                                  reads_gpus=self.gpu_reader is not None)
 
     def render(self) -> bytes:
-        """The exposition text, as the HTTP server would send it (for tests and the bench)."""
-        return generate_latest(self.registry)
+        """The exposition text the HTTP server sends: our families, then (when relaying) the
+        page of vLLM's from the same cached fetch, so both describe one moment."""
+        if not self.relay:
+            return generate_latest(self.registry)
+        snap = self._vllm_snapshot()  # collect() below reuses it (cached for cache_ttl_s)
+        ours = generate_latest(self.registry)
+        return ours + (snap.relayed or b"") if snap is not None and snap.ok else ours
 
 
 def run_forever(exporter: Exporter, port: int, bind: str, echo: Callable[[str], Any]) -> None:

@@ -183,6 +183,47 @@ def plan_families(plan: Deployment | None) -> Iterator[Metric]:
     plan_info.add_metric(["" if v is None else str(v) for v in info.values()], 1.0)
     yield plan_info
 
+def scaling_families(plan: Deployment | None, snap: VllmSnapshot | None) -> Iterator[Metric]:
+    """The plan's capacity per replica and the replicas the live load calls for, per pool.
+
+    `vlaunch_replica_capacity_requests{role}` is the plan's `target_running_per_replica` (the
+    requests in flight one replica holds at the SLO knee). `vlaunch_desired_replicas{role}` =
+    ceil((running + waiting requests, summed over every engine this exporter scrapes) / that
+    capacity): the replicas this load needs at the plan's figures, for an HPA or KEDA to scale
+    on directly; summed over the pool's exporters it is the pool's count. It exists only while
+    vLLM answers (dropped, never frozen), and not at all for a plan without autoscaling. The
+    engines an exporter scrapes are its plan's first pool's (the one pool until disaggregated
+    serving runs a pool per process group).
+    """
+    a = plan.pool.autoscaling if plan is not None else None
+    if a is None or a.target_running_per_replica <= 0:
+        return
+    target, role = float(a.target_running_per_replica), a.role
+    cap = GaugeMetricFamily(
+        "vlaunch_replica_capacity_requests",
+        "Requests in flight one replica holds within the SLO (the plan's "
+        "autoscaling.target_running_per_replica), per pool role.", labels=["role"])
+    cap.add_metric([role], target)
+    yield cap
+    slo = GaugeMetricFamily(
+        "vlaunch_plan_slo_seconds",
+        "The plan's per-request SLO (TTFT, and TPOT for vLLM's inter-token latency), seconds.",
+        labels=["role", "quantity"])
+    if plan.slo is not None:
+        for quantity, ms in (("ttft", plan.slo.ttft_ms), ("tpot", plan.slo.tpot_ms)):
+            slo.add_metric([role, quantity], ms / 1e3)
+    yield slo
+    desired = GaugeMetricFamily(
+        "vlaunch_desired_replicas",
+        "ceil((vllm:num_requests_running + vllm:num_requests_waiting over every scraped "
+        "engine) / vlaunch_replica_capacity_requests): replicas the live load needs.",
+        labels=["role"])
+    if snap is not None and snap.ok:
+        load = sum((s.running or 0.0) + (s.waiting or 0.0) for s in snap.engines.values())
+        desired.add_metric([role], float(math.ceil(load / target - 1e-9)))
+    yield desired
+
+
 def gpu_families(gpus: list[GpuRecord]) -> Iterator[Metric]:
     """Used, free and total memory per device."""
     fam = GaugeMetricFamily(

@@ -7,6 +7,8 @@ served.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -18,16 +20,17 @@ class MetricsServer:
     """The registry's /metrics over `metrics_http.BoundedHttpServer` (not prometheus_client's
     thread-per-connection server, which any slow or idle client could exhaust)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry,
+                 render: Callable[[], bytes] | None = None) -> None:
         self.registry = registry
+        self.render = render or (lambda: generate_latest(self.registry))
         self._server: BoundedHttpServer | None = None
 
     def start(self, port: int, bind: str) -> int:
         """Serve /metrics on bind:port; returns the port (useful with 0). InputError (one line)
         when the port cannot be had."""
         try:
-            self._server = BoundedHttpServer(lambda: generate_latest(self.registry), bind,
-                                             port).start()
+            self._server = BoundedHttpServer(self.render, bind, port).start()
         except OSError as e:
             raise InputError(
                 f"cannot listen on {bind}:{port} ({e.strerror or e}); "

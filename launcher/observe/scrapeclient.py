@@ -94,11 +94,12 @@ class _Exchange:
     of it: name resolution (which no socket timeout bounds), connect, TLS, headers, body.
     `abort()` shuts the socket down so a worker blocked in a read ends at once."""
 
-    def __init__(self, url: str, deadline: float, timeout_s: float) -> None:
+    def __init__(self, url: str, deadline: float, timeout_s: float,
+                 keep_raw: bool = False) -> None:
         self.url = url
         self.deadline = deadline
         self.timeout_s = timeout_s
-        self.page = VllmPage()
+        self.page = VllmPage(keep_raw=keep_raw)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._lock = threading.Lock()
@@ -202,7 +203,7 @@ class _Exchange:
         raise ScrapeError("http_status", f"{self.url} redirected more than {MAX_REDIRECTS} times")
 
 
-def fetch_page(url: str, timeout_s: float) -> VllmPage:
+def fetch_page(url: str, timeout_s: float, keep_raw: bool = False) -> VllmPage:
     """GET `url` and keep the lines the exporter uses, all within `timeout_s`.
 
     The deadline covers the whole exchange, not each blocking call: a server that accepts and
@@ -212,7 +213,7 @@ def fetch_page(url: str, timeout_s: float) -> VllmPage:
     deadline = time.monotonic() + timeout_s
     if not _fetch_slots.acquire(blocking=False):
         raise ScrapeError("timeout", f"{MAX_STUCK_FETCHES} earlier fetches have not returned yet")
-    exchange = _Exchange(url, deadline, timeout_s)
+    exchange = _Exchange(url, deadline, timeout_s, keep_raw)
     try:
         threading.Thread(target=exchange.run, name="vlaunch-exporter-fetch", daemon=True).start()
     except BaseException:

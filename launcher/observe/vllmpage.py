@@ -29,7 +29,9 @@ READ_CHUNK = 65536
 USAGE_FAMILIES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
 CACHE_INFO_FAMILY = "vllm:cache_config_info"
 START_TIME_FAMILY = "process_start_time_seconds"
-NEEDED_FAMILIES = (*USAGE_FAMILIES, CACHE_INFO_FAMILY, START_TIME_FAMILY)
+# Requests per engine: what the advisory replica count (families.scaling_families) adds up.
+LOAD_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+NEEDED_FAMILIES = (*USAGE_FAMILIES, CACHE_INFO_FAMILY, START_TIME_FAMILY, *LOAD_FAMILIES)
 
 # Only the lines of the families above (samples and their HELP/TYPE) are handed to the parser:
 # vLLM's page is mostly histogram buckets we do not use, and parsing all of it took ~60 ms for 8
@@ -52,6 +54,8 @@ class EngineSample:
     capacity_tokens: int | None = None
     capacity_bytes: int | None = None
     max_concurrency: float | None = None
+    running: float | None = None  # vllm:num_requests_running
+    waiting: float | None = None  # vllm:num_requests_waiting
 
 
 @dataclass
@@ -64,6 +68,7 @@ class VllmSnapshot:
     error: str | None = None
     duration_s: float = 0.0
     dropped: dict[str, int] = field(default_factory=dict)  # series left out, by reason
+    relayed: bytes | None = None  # vLLM's whole page, when the exporter relays it
 
 
 
@@ -85,7 +90,10 @@ class VllmPage:
     """
 
     def __init__(self, max_line: int = MAX_LINE_BYTES,
-                 max_series: int = MAX_SERIES_PER_FAMILY) -> None:
+                 max_series: int = MAX_SERIES_PER_FAMILY, keep_raw: bool = False) -> None:
+        # The whole page as sent, for the exporter to relay (bounded by the client's
+        # MAX_BODY_BYTES); None when not relaying.
+        self.raw: bytearray | None = bytearray() if keep_raw else None
         self.max_line = max_line
         self.max_series = max_series
         self.lines: list[str] = []
@@ -103,6 +111,8 @@ class VllmPage:
         return page
 
     def feed(self, chunk: bytes) -> None:
+        if self.raw is not None:
+            self.raw += chunk
         if self._skipping:  # inside an over-long line: discard up to its end
             nl = chunk.find(b"\n")
             if nl < 0:
@@ -190,6 +200,7 @@ def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
     info_text = "\n".join(x for x in page.lines if CACHE_INFO_FAMILY in x) + "\n"
     other_text = "\n".join(x for x in page.lines if CACHE_INFO_FAMILY not in x) + "\n"
     usage: dict[str, dict[str, float]] = {n: {} for n in USAGE_FAMILIES}
+    load: dict[str, dict[str, float]] = {n: {} for n in LOAD_FAMILIES}
     start_time: float | None = None
     try:
         infos = _parse_cache_info(info_text)
@@ -199,12 +210,16 @@ def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
                     if not math.isfinite(s.value):
                         raise ValueError(f"{s.name} is {s.value}")
                     usage[s.name][s.labels.get("engine") or "0"] = s.value
+                elif s.name in load and math.isfinite(s.value) and s.value >= 0:
+                    per = load[s.name]
+                    engine = s.labels.get("engine") or "0"
+                    per[engine] = per.get(engine, 0.0) + s.value  # summed over model names
                 elif s.name == START_TIME_FAMILY:
                     start_time = s.value
     except ValueError as e:
         raise ScrapeError("malformed", f"vLLM /metrics does not parse: {e}") from None
     # The engine label becomes a label of ours: a long one is dropped, never re-exported.
-    for series in (*usage.values(), infos):
+    for series in (*usage.values(), *load.values(), infos):
         for engine in [e for e in series if len(e) > MAX_LABEL_CHARS]:
             del series[engine]
             dropped["label_too_long"] += 1
@@ -215,6 +230,10 @@ def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
             "vLLM /metrics has no vllm:kv_cache_usage_perc (is --disable-log-stats set?)",
         )
     engines = {e: EngineSample(usage_ratio=min(max(v, 0.0), 1.0)) for e, v in ratios.items()}
+    for per, attr in zip(load.values(), ("running", "waiting"), strict=True):
+        for engine, v in per.items():
+            if engine in engines:  # an engine is one that reports its KV usage
+                setattr(engines[engine], attr, v)
     # num_gpu_blocks in cache_config_info is the front-end's sum over DP engines, while
     # kv_cache_size_tokens is per engine; split the sum when it is the only number there is.
     n_info = max(len(infos), 1)
@@ -232,5 +251,17 @@ def parse_vllm_metrics(page: VllmPage | str) -> VllmSnapshot:
         sample.capacity_tokens = tokens
         sample.capacity_bytes = _int_label(labels.get("kv_cache_memory_bytes"))
         sample.max_concurrency = _float_label(labels.get("kv_cache_max_concurrency"))
-    return VllmSnapshot(ok=True, engines=engines, start_time=start_time, dropped=dropped)
+    return VllmSnapshot(ok=True, engines=engines, start_time=start_time, dropped=dropped,
+                        relayed=relayable(bytes(page.raw)) if page.raw is not None else None)
+
+
+_OURS = re.compile(rb"^(?:# (?:HELP|TYPE) )?vlaunch_[^\n]*\n?", re.MULTILINE)
+
+
+def relayable(raw: bytes) -> bytes:
+    """vLLM's page as the exporter relays it after its own families: any `vlaunch_*` line
+    dropped (a family must appear once in a page, and ours are the exporter's to say), and
+    ending in a newline so the two pages join line by line."""
+    text = _OURS.sub(b"", raw)
+    return text if not text or text.endswith(b"\n") else text + b"\n"
 

@@ -6,7 +6,9 @@ thing they share is a volume. So the plan goes there as three files:
 - `plan.json`: the whole plan (the codec's dump of its Deployment), what `vlaunch exec`
   reads back (`load_plan`, the codec's load);
 - `vllm-args`: vLLM's arguments, one per line, for a shell entrypoint or a human;
-- `vllm.env`: the environment the plan asks for, as `KEY='value'` lines a shell can source.
+- `vllm.env`: the environment the plan asks for, as `KEY='value'` lines a shell can source;
+- `scaledobject.yaml`: a KEDA ScaledObject per pool, from the plan's `autoscaling` (when the
+  plan has a knee to derive it from).
 
 Every file is written atomically (temp file in the same folder, then `os.replace`), and
 `plan.json` is written last, so a reader that finds `plan.json` finds the other two complete
@@ -21,12 +23,14 @@ import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ..deployment.argv import engine_argv
 from ..deployment.codec import dump, load
-from ..deployment.plan import Deployment
+from ..deployment.plan import Autoscaling, Deployment
 from ..errors import InputError
-from ..paths import atomic_write
+from ..paths import atomic_write, loads_json, read_small_text, warn_if_foreign, warn_if_open_folder
+from ..predict.capacity.startup_time import NETWORK_VOLUME_BYTES_PER_S
 
 PLAN_FILE = "plan.json"
 ARGS_FILE = "vllm-args"
@@ -73,9 +77,12 @@ def emit_plan(dep: Deployment, out_dir: str | os.PathLike[str]) -> list[Path]:
     rendered = [
         (ARGS_FILE, _args_text(engine_argv(dep.engine) if dep.fits else [])),
         (ENV_FILE, _env_text(dep.pool.env)),
+        *([(SCALEDOBJECT_FILE, scaled_objects_text(dep))]
+          if any(p.autoscaling for p in dep.pools) else []),
         (PLAN_FILE, json.dumps(dump(dep), indent=2, sort_keys=True) + "\n"),
     ]
     out.mkdir(parents=True, exist_ok=True)
+    warn_if_open_folder(out)
     return [atomic_write(out / name, text) for name, text in rendered]
 
 
@@ -86,15 +93,19 @@ def load_plan(path: str | os.PathLike[str]) -> Deployment:
     if p.is_dir():
         p = p / PLAN_FILE
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_small_text(p)  # a FIFO or /dev/zero is refused, never waited on or read
     except FileNotFoundError:
         raise InputError(
             f"no plan at {p}; write one with `vlaunch plan MODEL --emit DIR`"
         ) from None
     except OSError as e:
-        raise InputError(f"cannot read plan {p}: {e.strerror}") from None
+        raise InputError(f"cannot read plan {p}: {e.strerror}; give the plan.json that "
+                         "`vlaunch plan --emit DIR` wrote") from None
+    except UnicodeDecodeError:
+        raise InputError(f"plan {p} is not UTF-8 text, so not a vlaunch plan") from None
+    warn_if_foreign(p)
     try:
-        raw = json.loads(text)
+        raw = loads_json(text)
     except json.JSONDecodeError as e:
         raise InputError(f"plan {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
     try:
@@ -104,7 +115,7 @@ def load_plan(path: str | os.PathLike[str]) -> Deployment:
 
 
 STARTUP_SECONDS_BASE = 300
-STARTUP_BYTES_PER_SECOND = 200 * (1 << 20)
+STARTUP_BYTES_PER_SECOND = NETWORK_VOLUME_BYTES_PER_S  # capacity/startup_time.py: one number
 """Start-up deadline: 5 minutes plus the weights at 200 MiB/s (a slow network volume); a
 DeepSeek-V3 FP8 load is given about an hour. A hang past it is a failure, not a wait."""
 
@@ -136,10 +147,12 @@ def write_termination_message(text: str, path: str | os.PathLike[str] = TERMINAT
     outside one we must not create `/dev/termination-log`. Best effort by design: failing to
     explain a failure must not hide the failure itself, so write errors return False.
     """
+    from ..printable import printable
+
     p = Path(path)
     if not p.exists():
         return False
-    data = text.encode("utf-8")
+    data = printable(text).encode("utf-8")  # kubectl describe prints it to a terminal
     if len(data) > TERMINATION_MAX_BYTES:
         keep = TERMINATION_MAX_BYTES - len(_TRUNCATED.encode())
         data = data[:keep].decode("utf-8", errors="ignore").encode("utf-8") + _TRUNCATED.encode()
@@ -149,3 +162,77 @@ def write_termination_message(text: str, path: str | os.PathLike[str] = TERMINAT
     except OSError:
         return False
     return True
+
+
+# --- KEDA ScaledObject -------------------------------------------------------------------------
+
+SCALEDOBJECT_FILE = "scaledobject.yaml"
+PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+"""The Service the Prometheus Operator creates for its Prometheus (`prometheus-operated`)."""
+
+# vLLM's own gauges (vllm/v1/metrics/loggers.py); never the removed vllm:gpu_cache_usage_perc.
+RUNNING, WAITING, KV_USAGE = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                              "vllm:kv_cache_usage_perc")
+# The pods that serve the API: a Deployment's (NAME-<hash>-<id>) or an LWS group's leader
+# (NAME-<group>; its workers, NAME-<group>-<index>, export no request gauges).
+POD_PATTERNS = {"Deployment": "{name}-[a-z0-9]+-[a-z0-9]+", "LeaderWorkerSet": "{name}-[0-9]+"}
+TARGET_API = {"Deployment": "apps/v1", "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1"}
+
+
+def trigger_queries(selector: str, replica_label: str = "pod") -> dict[str, str]:
+    """The PromQL of each trigger, summed over the pool (KEDA's AverageValue divides the sum by
+    the replicas): requests running, requests waiting, and each replica's mean KV usage over its
+    engines (the series of one `replica_label` value) summed over replicas."""
+    return {"running": f"sum({RUNNING}{{{selector}}})",
+            "waiting": f"sum({WAITING}{{{selector}}})",
+            "kv_usage": f"sum(avg by ({replica_label}) ({KV_USAGE}{{{selector}}}))"}
+
+
+def scaled_object(a: Autoscaling | None, name: str = "vlaunch", kind: str = "Deployment",
+                  namespace: str | None = None,
+                  prometheus_url: str = PROMETHEUS_URL) -> dict[str, Any]:
+    """A keda.sh/v1alpha1 ScaledObject that scales the workload `kind`/`name` of one pool on
+    vLLM's gauges, at the pool's `autoscaling` targets and windows."""
+    if a is None:
+        raise InputError("the plan has no `autoscaling` (it does not fit, or has no SLO knee); "
+                         "re-plan with a reachable --slo")
+    if kind not in POD_PATTERNS:
+        raise InputError(f"cannot scale a {kind}; one of {', '.join(POD_PATTERNS)}")
+    name = name if a.role == "aggregated" else f"{name}-{a.role}"  # one workload per pool
+    selector = f'pod=~"{POD_PATTERNS[kind].format(name=name)}"'
+    if namespace:
+        selector = f'namespace="{namespace}", {selector}'
+    queries = trigger_queries(selector)
+    thresholds = {"running": a.target_running_per_replica,
+                  "waiting": a.target_waiting_per_replica, "kv_usage": a.kv_usage_threshold}
+    meta: dict[str, Any] = {"name": name,
+                            "labels": {"app.kubernetes.io/name": "vlaunch",
+                                       "app.kubernetes.io/component": a.role}}
+    if namespace:
+        meta["namespace"] = namespace
+    return {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta,
+        "spec": {
+            "scaleTargetRef": {"apiVersion": TARGET_API[kind], "kind": kind, "name": name},
+            "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": a.scale_up_stabilization_s},
+                "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_s}}}},
+            "triggers": [{"type": "prometheus", "name": f"vllm-{key.replace('_', '-')}",
+                          "metricType": "AverageValue",
+                          "metadata": {"serverAddress": prometheus_url, "query": q,
+                                       "threshold": f"{thresholds[key]:g}"}}
+                         for key, q in queries.items()],
+        },
+    }
+
+
+def scaled_objects_text(dep: Deployment, **kw: Any) -> str:
+    """The ScaledObject of each pool of the plan that has autoscaling, as YAML documents."""
+    import yaml
+
+    header = ("# GENERATED by vlaunch from the plan's autoscaling (launcher/run/emit.py): the\n"
+              "# thresholds are the replica's capacity at the SLO knee, the windows its\n"
+              "# start-up.\n")
+    return header + yaml.safe_dump_all([scaled_object(p.autoscaling, **kw) for p in dep.pools
+                                        if p.autoscaling], sort_keys=False, width=100)

@@ -76,9 +76,11 @@ def relabel_pins(dep: Deployment) -> Callable[[Any], Any]:
 def goals_from_plan(dep: Deployment) -> dict[str, Any] | None:
     """The workload, SLO and objective an emitted plan was made for, so exec re-plans for them."""
     from ..inputs.workload import SLO, Workload
+    from ..predict.capacity.autoscaling import ask_from_plan
 
     if dep.workload is None or dep.slo is None or dep.performance is None:
         return None
     w = dep.workload
     return {"workload": Workload(w.input_len, w.output_len, w.name or "custom", w.assumed),
-            "objective": dep.objective, "slo": SLO(dep.slo.ttft_ms, dep.slo.tpot_ms)}
+            "objective": dep.objective, "slo": SLO(dep.slo.ttft_ms, dep.slo.tpot_ms),
+            **ask_from_plan(dep)}  # the pool's bounds and weights path, as emitted

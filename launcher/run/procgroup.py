@@ -7,6 +7,14 @@ group. A watchdog process outside the group does the same if the supervisor itse
 (SIGKILL, a lost terminal), so vLLM never outlives vlaunch as an orphan that a later run would
 mistake for its own server. psutil answers "which processes" and "which sockets", on Linux
 and macOS alike.
+
+The group alone is not the whole tree: a process may leave it (setsid, as a daemon does) and
+Ray starts its daemons (raylet, GCS) in sessions of their own, so a stop that signalled only
+the group left them running, holding memory and ports (issue 31). The group therefore also
+tracks the leader's descendants by psutil: a snapshot every TRACK_S while vLLM runs, and one
+more before every signal, remembered by (pid, create time) so a reused pid is never signalled,
+and a process reparented to init after its parent died is still known. What escapes is a
+double fork that completes within one TRACK_S (a daemon's fork, setsid, fork, exit).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -81,17 +90,78 @@ def listening_pids(port: int) -> set[int | None] | None:
     return pids or None
 
 
+TRACK_S = 0.25  # how often the leader's descendants are snapshotted while it runs
+MAX_TRACKED = 4096  # a fork bomb is not tracked pid by pid forever
+
+
+def _live(pid: int, created: float) -> bool:
+    """Is `pid` still the process first seen with `created` (not a zombie, not a reuse)?"""
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 class ProcessGroup:
-    """The process group led by `pgid` (vLLM's server), with its watchdog."""
+    """The process group led by `pgid` (vLLM's server), its descendants, and a watchdog."""
 
     def __init__(self, pgid: int, grace_period: float) -> None:
         self.pgid = pgid
         self.grace_period = grace_period
         self._watchdog: subprocess.Popen[bytes] | None = None
+        self._known: dict[int, float] = {}  # pid -> create time, every descendant ever seen
+        self._lock = threading.RLock()  # signal() may run in a handler on the main thread
+        self._tracking = threading.Event()
+        self._own = os.getpid()
+
+    def _snapshot(self) -> None:
+        """Record the leader's descendants, and those of every process already known (a
+        reparented one keeps its own children findable): one pass over the process table."""
+        children: dict[int, list[int]] = {}
+        created: dict[int, float] = {}
+        for p in psutil.process_iter(["ppid", "create_time"]):
+            info = p.info
+            if info.get("ppid") is None or info.get("create_time") is None:
+                continue
+            children.setdefault(info["ppid"], []).append(p.pid)
+            created[p.pid] = info["create_time"]
+        with self._lock:
+            todo = [self.pgid, *(p for p, c in self._known.items() if created.get(p) == c)]
+            seen: set[int] = set()
+            while todo and len(seen) < MAX_TRACKED:
+                pid = todo.pop()
+                if pid in seen or pid == self._own or pid not in created:
+                    continue
+                seen.add(pid)
+                self._known.setdefault(pid, created[pid])
+                todo += children.get(pid, [])
+            for pid in [p for p, c in self._known.items() if created.get(p) != c]:
+                del self._known[pid]  # gone, or its pid now names another process
+
+    def track(self) -> None:
+        """Snapshot the leader's descendants every TRACK_S, in a daemon thread that ends when
+        the group and every tracked process are gone."""
+        if self._tracking.is_set():
+            return
+        self._tracking.set()
+
+        def loop() -> None:
+            while self._tracking.is_set():
+                self._snapshot()
+                if not self.pids():
+                    break
+                time.sleep(TRACK_S)
+            self._tracking.clear()
+
+        threading.Thread(target=loop, name="vlaunch-procgroup-track", daemon=True).start()
 
     def pids(self) -> list[int]:
-        """Processes still alive in the group (the server and its children)."""
-        return pids_in_group(self.pgid)
+        """Processes still alive of vLLM's: its group, and every descendant seen (the server,
+        its engine and workers, and what left the group)."""
+        with self._lock:
+            known = [p for p, c in self._known.items() if _live(p, c)]
+        return sorted(set(pids_in_group(self.pgid)) | set(known))
 
     def holds_port(self, port: int) -> bool | None:
         """Is the socket listening on `port` held by this group? None when the OS cannot tell
@@ -102,8 +172,20 @@ class ProcessGroup:
         return bool(holders & set(self.pids()))
 
     def signal(self, sig: int) -> None:
+        """`sig` to the group, and to each descendant that left it (checked to be the same
+        process first seen, so a pid the kernel reused is left alone)."""
+        self._snapshot()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, sig)
+        with self._lock:
+            known = list(self._known.items())
+        for pid, created in known:
+            try:
+                if os.getpgid(pid) == self.pgid or not _live(pid, created):
+                    continue
+                psutil.Process(pid).send_signal(sig)
+            except (OSError, psutil.Error):
+                continue
 
     def wait_empty(self, deadline: float, reap: subprocess.Popen[bytes] | None = None) -> bool:
         """Wait until no process of the group is left (reaping the leader, `reap`, so it does

@@ -128,6 +128,7 @@ class VllmRunner:
         self.output = OutputLog(log_path, echo=echo, on_line=self._track_phase,
                                 max_bytes=log_max_bytes)
         self.phase: str | None = None
+        self.phase_marks: list[tuple[str, float]] = []  # (phase, monotonic time it began)
         self.unexpected_exit = False
         self.interrupted: int | None = None  # the signal that asked us to stop
         self.killed_after_grace = False
@@ -228,6 +229,7 @@ class VllmRunner:
             raise
         self._group = ProcessGroup(self._proc.pid, self.grace_period)
         self._group.start_watchdog()
+        self._group.track()  # descendants that leave the group are stopped with it
         self._set_phase("starting")
         assert self._proc.stdout is not None
         self.output.start(self._proc.stdout)
@@ -241,6 +243,7 @@ class VllmRunner:
         if self.phase is not None and vllmlog.phase_rank(phase) <= vllmlog.phase_rank(self.phase):
             return
         self.phase = phase
+        self.phase_marks.append((phase, time.monotonic()))  # start-up timing (startup_timing)
         if self.on_phase is not None:
             with contextlib.suppress(Exception):
                 self.on_phase(phase)

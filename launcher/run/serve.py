@@ -24,7 +24,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,9 +52,11 @@ from ..term import command as command_lines
 from . import vllmlog
 from .drain import DEFAULT_STOP_TIMEOUT_S, with_drain
 from .emit import startup_deadline_s
+from .exporter_beside import set_actual, start_exporter, start_worker_exporter
 from .exposure import exposure_warning, with_host
 from .logpump import prefixed_echo
 from .runner import VllmRunner
+from .startup_timing import learn_startup
 from .vllmargs import (
     VLLM_COMMAND_ENV,
     arg_value,
@@ -424,7 +425,7 @@ class _ServeLoop:
                             startup_timeout=deadline, grace_period=self.stop_timeout)
         _refuse_busy_port(runner)
         if self.metrics_port is not None and self.exporter is None:
-            self.exporter = _start_exporter(runner.base_url, d, self.metrics_port,
+            self.exporter = start_exporter(runner.base_url, d, self.metrics_port,
                                             self.metrics_bind, self.out, deadline)
         elif self.exporter is not None:
             self.exporter.plan = d
@@ -456,6 +457,8 @@ class _ServeLoop:
         learnt = learn_measured_kv(d, actual.allocation)
         if learnt:
             self.say(f"vlaunch: recorded vLLM's measured KV memory for the next plan ({learnt})")
+        if timed := learn_startup(runner, d, self.goals.get("load_path")):
+            self.say(timed)
         mark = runner.bytes_seen
         smoke = runner.smoke_test()
         if runner.interrupted is not None:  # a signal is no evidence about fp8
@@ -466,7 +469,7 @@ class _ServeLoop:
         self.say(f"vlaunch: smoke request answered in {smoke.seconds:.2f}s; serving on "
                  f"{runner.base_url}")
         if self.exporter is not None:
-            _set_actual(self.exporter, actual)
+            set_actual(self.exporter, actual)
         status = runner.wait()
         _output_notes(runner, self.out)
         if runner.interrupted is not None:
@@ -631,6 +634,8 @@ def run_node(launch: Any, d: Deployment, *, port: int | None, metrics_port: int 
         except OSError as e:
             out(f"vlaunch: cannot run {shlex.join(runner.argv[:2])}: {e.strerror or e}")
             return 127
+        if not launch.serves_api and metrics_port is not None:
+            exporter = start_worker_exporter(metrics_port, metrics_bind, out)
         if launch.serves_api:
             outcome = runner.wait_ready()
             if runner.interrupted is not None:
@@ -645,9 +650,9 @@ def run_node(launch: Any, d: Deployment, *, port: int | None, metrics_port: int 
                 out(line)
             out(f"vlaunch: {launch.role} serving on {runner.base_url}")
             if metrics_port is not None:
-                exporter = _start_exporter(runner.base_url, d, metrics_port, metrics_bind, out)
+                exporter = start_exporter(runner.base_url, d, metrics_port, metrics_bind, out)
                 if exporter is not None:
-                    _set_actual(exporter, actual)
+                    set_actual(exporter, actual)
         try:
             status = runner.wait()
         finally:
@@ -675,29 +680,3 @@ def learn_measured_kv(d: Deployment, alloc: vllmlog.Allocation) -> str | None:
         return None
     path = measured.record(d, kv, f"vLLM {d.vllm_version} startup plan")
     return f"{kv / GiB:.2f} GiB in {path}"
-
-
-def _start_exporter(base_url: str, plan: Deployment, port: int, bind: str,
-                    out: Callable[[str], None], startup_timeout: float | None = None):
-    """The exporter beside a start: its "starting" phase lasts as long as this attempt may
-    (a user's longer --startup-timeout must not end it early and fire VlaunchEngineDown)."""
-    from ..observe.exporter import Exporter
-
-    exp = Exporter(vllm_url=base_url, plan=plan,
-                   startup_timeout_s=startup_timeout or startup_deadline_s)
-    try:
-        bound = exp.start(port=port, bind=bind)
-    except Exception as e:  # a busy port must not take the engine down
-        out(f"vlaunch: metrics exporter not started: {e}")
-        return None
-    out(f"vlaunch: metrics on http://{bind}:{bound}/metrics (vLLM's own at {base_url}/metrics)")
-    sys.stdout.flush()
-    return exp
-
-
-def _set_actual(exp: Any, actual: Any) -> None:
-    """Hand the exporter what vLLM reported at start-up."""
-    alloc = actual.allocation
-    exp.set_actual(kv_tokens=actual.kv_cache_tokens, kv_memory_bytes=actual.kv_cache_memory_bytes,
-                   weights_bytes=int(alloc.weights_gib * GiB) if alloc.weights_gib else None,
-                   num_blocks=actual.num_blocks, block_size=actual.block_size)

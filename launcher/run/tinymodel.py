@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir
+from ..paths import cache_dir, loads_json, read_small_text
 
 # Bump whenever the generated files change in any way; cached copies are then rebuilt.
 GENERATOR_VERSION = 1
@@ -264,7 +264,7 @@ def default_path(mtp: bool = False) -> Path:
 def is_current(path: Path, mtp: bool = False) -> bool:
     """True if `path` holds a model written by this generator version (with MTP if asked)."""
     try:
-        stamp = json.loads((path / STAMP_FILE).read_text())
+        stamp = loads_json(read_small_text(path / STAMP_FILE, 1 << 16))
     except (OSError, ValueError):
         return False
     return (isinstance(stamp, dict) and stamp.get("generator_version") == GENERATOR_VERSION

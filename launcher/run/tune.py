@@ -63,6 +63,7 @@ from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.prompts import PromptSet, builtin_prompts
 from ..inputs.workload import SLO, Workload
+from ..paths import loads_json, read_small_text
 from ..predict.search.engine_from_plan import shape_from_plan
 from ..predict.search.planner import Pins
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
@@ -72,6 +73,7 @@ from .emit import atomic_write, emit_plan, startup_deadline_s
 from .exposure import exposure_warning, with_host
 from .loadgen import LoadGenerator
 from .runner import VllmRunner
+from .startup_timing import learn_startup
 from .tune_candidates import TrialSpec, build_candidates, finished_first
 from .tune_candidates import flags_key as flags_key  # tests/test_tune_engine.py imports it here
 from .tune_measure import (
@@ -275,7 +277,7 @@ class Tuner:
         if not self.opts.resume or not path.exists():
             return
         try:
-            old = json.loads(path.read_text())
+            old = loads_json(read_small_text(path))
         except (OSError, ValueError) as e:
             raise InputError(f"--resume: cannot read {path} ({e})") from None
         for t in old.get("trials", []):
@@ -504,6 +506,8 @@ class Tuner:
                 self._start_failed(rec, outcome, runner)
                 return
             self.startup_times.append(rec["startup_s"])
+            if timed := learn_startup(runner, t.plan, None):
+                self.progress.line(f"  {timed}")
             smoke = runner.smoke_test(timeout=max(5.0, min(120.0, self.progress.left
                                                            - STOP_MARGIN_S)))
             if not smoke.ok:

@@ -29,6 +29,7 @@ from ..memory import budget as B
 from ..search.planner import Pins, make_plan
 from ..speed import request_model as perf
 from . import queueing
+from .autoscaling import replicas_needed
 from .prices import PriceBook, parse_prices
 
 __all__ = ["Load", "Option", "default_options", "evaluate_option", "parse_prices",
@@ -36,6 +37,13 @@ __all__ = ["Load", "Option", "default_options", "evaluate_option", "parse_prices
 
 HOURS_PER_MONTH = 730
 """8,760 hours / 12: how clouds bill a month."""
+
+
+# Bounds on the load, far above any one deployment (the largest public APIs serve on the
+# order of 1e5 requests/s across their fleets), low enough that replicas x price stays a
+# finite number: --rps 1e308 once wrote Infinity into the JSON (issue 31).
+MAX_RPS = 1e7
+MAX_USERS = 10**9
 
 
 @dataclass(frozen=True)
@@ -48,10 +56,12 @@ class Load:
     def validate(self) -> None:
         if (self.users is None) == (self.rps is None):
             raise InputError("give exactly one of --users N or --rps R")
-        if self.users is not None and self.users < 1:
-            raise InputError(f"--users must be a positive number of users, got {self.users}")
-        if self.rps is not None and not (self.rps > 0 and math.isfinite(self.rps)):
-            raise InputError(f"--rps must be a positive request rate, got {self.rps}")
+        if self.users is not None and not 1 <= self.users <= MAX_USERS:
+            raise InputError(f"--users must be a number of users from 1 to {MAX_USERS:,}, got "
+                             f"{self.users:.3g}")
+        if self.rps is not None and not (0 < self.rps <= MAX_RPS):  # NaN fails both
+            raise InputError(f"--rps must be a request rate above 0 and at most {MAX_RPS:,.0f}, "
+                             f"got {self.rps:.3g}")
 
     def describe(self) -> str:
         return (f"{self.users:,} users, one request each in flight" if self.users is not None
@@ -192,10 +202,8 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
         opt.problem = ("even a trickle of Poisson arrivals queues past the SLO's TTFT: the "
                        "knee's prefill leaves no time to wait")
         return opt
-    want = (load.users if load.users is not None else load.rps) * (1 + headroom)
-    active = max(1, math.ceil(want / per - 1e-9))
-    if load.users is not None and load.users / active >= per:
-        active += 1  # a replica holding its knee's users is 100% busy: never planned
+    active = replicas_needed(load.users if load.users is not None else load.rps, per, headroom, 0,
+                             closed=load.users is not None)
     opt.replicas = active + spare
     opt.at_load = at_load(a.shape, workload, knee, load, active)
     if load.users is not None:
@@ -390,3 +398,15 @@ def miss_message(d: dict[str, Any]) -> str:
             f"{slo['tpot_ms']:.0f} ms); closest: {m['gpus']} ({m['parallel']['label']}), one "
             f"request alone sees TPOT {one['tpot_ms']:.1f} ms, TTFT {one['ttft_ms']:,.0f} ms; "
             "relax --slo or shorten the workload")
+
+
+def capacity_json(d: dict[str, Any]) -> str:
+    """The capacity document as JSON, which has no Infinity or NaN (a parser downstream would
+    refuse the file): a figure that overflowed is one line, never written."""
+    import json
+
+    try:
+        return json.dumps(d, indent=2, allow_nan=False)
+    except ValueError:
+        raise InputError("the capacity figures overflow (a load or price too large to count); "
+                         "give a smaller --rps, --users or --price") from None

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ...errors import InputError
 from ...inputs.hardware import gpu_kind, parse_gpus
 from ...inputs.model import ModelSpec
 from ...inputs.workload import PRESETS, SLO, Workload
+from ...paths import read_small_text
 from ..search.planner import Pins
 from .capacity import HOURS_PER_MONTH, Load, evaluate_option, holds, plan_capacity
 from .prices import PriceBook
@@ -63,9 +63,10 @@ def buckets_from_file(path: str) -> list[Bucket]:
     from ...profile_check import SCHEMAS, problems
 
     try:
-        data: Any = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise InputError(f"--lengths {path}: cannot read it ({e.strerror or e})") from None
+        data: Any = yaml.safe_load(read_small_text(path))  # a FIFO or /dev/zero: refused
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or "not UTF-8 text"
+        raise InputError(f"--lengths {path}: cannot read it ({why})") from None
     except yaml.YAMLError:
         raise InputError(f"--lengths {path}: not YAML; see {SCHEMAS / 'lengths.json'}") from None
     found = problems(data, "lengths")

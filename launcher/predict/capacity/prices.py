@@ -17,6 +17,7 @@ from typing import Any
 
 from ...errors import InputError
 from ...inputs.hardware import GPUKind, ShapePrice, gpu_kind
+from ...paths import read_small_text
 
 _PRICE = re.compile(r"^\s*([A-Za-z0-9._-]+)\s*=\s*\$?(\d+(?:\.\d+)?)\s*$")
 
@@ -78,9 +79,10 @@ def read_prices_file(path: str) -> PriceBook:
 
     p = Path(path)
     try:
-        data: Any = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise InputError(f"--prices {path}: cannot read it ({e.strerror or e})") from None
+        data: Any = yaml.safe_load(read_small_text(p))  # a FIFO or /dev/zero: refused
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or "not UTF-8 text"
+        raise InputError(f"--prices {path}: cannot read it ({why})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

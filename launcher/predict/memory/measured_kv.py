@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from ...deployment.plan import Deployment
-from ...paths import cache_dir, read_json_object, report_corrupt, update_json_object
+from ...paths import (
+    cache_dir,
+    loads_json,
+    read_json_object,
+    read_small_text,
+    report_corrupt,
+    update_json_object,
+)
 
 
 def plan_key(d: Deployment) -> str:
@@ -80,7 +87,7 @@ def read_startup_plans(paths: list[str]) -> int | None:
     values = []
     for p in paths:
         try:
-            value = json.loads(Path(p).read_text(encoding="utf-8")).get("kv_cache_memory_bytes")
+            value = loads_json(read_small_text(p)).get("kv_cache_memory_bytes")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
             continue
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

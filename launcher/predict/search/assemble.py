@@ -112,7 +112,11 @@ def deployment(plan: Any) -> D.Deployment:
                   nodes_per_replica=hw.nodes, engine=_engine(plan), env=plan.env(),
                   kv_cache=_kv(plan), per_gpu=_per_gpu(c),
                   max_concurrency=round(c.concurrency, 2), performance=perf, serving=serving,
-                  per_stage=stages)
+                  per_stage=stages,
+                  autoscaling=(build(D.Autoscaling, plan.autoscaling.to_dict(), "autoscaling")
+                               if plan.autoscaling else None),
+                  startup=build(D.Startup, plan.startup.to_dict(), "startup")
+                  if plan.startup else None)
     w, slo = plan.workload, plan.slo
     return D.Deployment(
         fits=plan.fits, model=_model(plan.model), hardware=_hardware(hw),

@@ -28,6 +28,7 @@ from ...inputs.workload import (
     fit_to_context,
     resolve_workload,
 )
+from ..capacity import plan_scaling as scaleplan
 from ..features import serving
 from ..features.capabilities import (
     VersionTraits,
@@ -77,6 +78,8 @@ class Plan:
     concurrency: int | None = None  # the operating point the user asked for (--concurrency)
     judged: int = 0  # candidates the search judged for memory
     timed: int = 0  # of those, judged for speed too
+    startup: Any = None  # startup.Startup of one replica (scaleplan.attach)
+    autoscaling: Any = None  # autoscaling.Autoscaling of the pool (scaleplan.attach)
 
     @property
     def fits(self) -> bool:
@@ -239,9 +242,11 @@ def _check_request(spec: ModelSpec, pins: Pins, workload: Workload) -> None:
 def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
               suggest: bool = True, *, workload: Workload | None = None,
               objective: str | None = None, slo: SLO | None = None,
-              concurrency: int | None = None) -> Plan:
+              concurrency: int | None = None, scaling: Any = None,
+              load_path: str | None = None) -> Plan:
     """Plan a deployment of `spec` on `hw` honouring `pins`, for `workload` under `slo`, ranked
-    by `objective`; never raises for a misfit. The composer: the search judges every candidate
+    by `objective`, its pool sized by `scaling` (autoscaling.ScalingAsk) with weights read over
+    `load_path`; never raises for a misfit. The composer: the search judges every candidate
     (predict/search/search.py), the best one becomes the plan, its assessment is the plan's single
     prediction, and every reason is read from the judged candidates."""
     pins = pins or Pins()
@@ -345,6 +350,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
     _explain_speed(plan)
     if suggest and not best.fits:
         plan.suggestions = suggestions(spec, hw, pins)
+    scaleplan.attach(plan, scaling, load_path)
     return plan
 
 

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launcher.inputs.model import load_model  # noqa: E402
 from launcher.inputs.workload import SLO, Workload  # noqa: E402
-from launcher.predict import capacity  # noqa: E402
-from launcher.predict.planner import Pins  # noqa: E402
+from launcher.predict.capacity import capacity  # noqa: E402
+from launcher.predict.search.planner import Pins  # noqa: E402
 
 TEN = ["8xH100", "8xH200", "8xA100-80GB", "8xB200", "8xL40S", "8xH100-PCIe", "2xGH200",
        "4xH100-NVL", "8xB300", "8xA100-40GB"]

@@ -163,7 +163,7 @@ def _plan():
     """DeepSeek-V3 on 8xH200 as `vlaunch plan` makes it: the typed plan the exporter reads."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     return make_plan(load_model("deepseek-v3"), parse_gpus("8xH200")).deployment()
 

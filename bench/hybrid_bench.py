@@ -11,8 +11,8 @@ from pathlib import Path
 
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import spec_from_config
-from launcher.predict import kvcache as K
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.memory import kvcache as K
+from launcher.predict.search.planner import Pins, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "validation" / "corpus"

@@ -1,6 +1,6 @@
 """Fit the performance model's constants to the published rows, and judge the fit held out.
 
-Coordinate descent over each constant's physical range (launcher/predict/step.py BOUNDS),
+Coordinate descent over each constant's physical range (launcher/predict/speed/step.py BOUNDS),
 minimising the mean |log error| of TPOT, of output tokens/s and of the MTP speed-ups, half that
 of TTFT, plus half the larger median of the first two (the goal's measure), so no row is
 ignored. Every case
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import perf_validation  # noqa: E402
 
-from launcher.predict import perf  # noqa: E402
-from launcher.predict.step import BOUNDS, NOMINAL  # noqa: E402
+from launcher.predict.speed import request_model as perf  # noqa: E402
+from launcher.predict.speed.step import BOUNDS, NOMINAL  # noqa: E402
 
 MEDIAN_WEIGHT = 0.5
 """How much the larger median |log error| (the goal's measure) counts beside the mean |log

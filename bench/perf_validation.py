@@ -29,10 +29,11 @@ from launcher.errors import InputError
 from launcher.inputs.hardware import Hardware, gpu_kind
 from launcher.inputs.model import ModelSpec
 from launcher.inputs.workload import Workload
-from launcher.predict import mtp, perf
-from launcher.predict.budget import Layout
-from launcher.predict.capabilities import version_traits
-from launcher.predict.planner import Pins, evaluate
+from launcher.predict.features.capabilities import version_traits
+from launcher.predict.memory.budget import Layout
+from launcher.predict.search.planner import Pins, evaluate
+from launcher.predict.speed import mtp
+from launcher.predict.speed import request_model as perf
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ROOT / "tests" / "fixtures" / "perf" / "vllm-perf-observations.csv"

@@ -49,7 +49,7 @@ def _search() -> None:
     """The search alone, in process: how many candidates each plan judged, and how long."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     print("\nthe search (make_plan in process, median of 5):")
     for model, gpus, objective in (("deepseek-r1", "8xH200", "balanced"),

@@ -21,9 +21,9 @@ from pathlib import Path
 from launcher.errors import InputError
 from launcher.inputs.hardware import Hardware, gpu_kind
 from launcher.inputs.model import ModelSpec, load_model
-from launcher.predict.budget import GiB, Layout
-from launcher.predict.capabilities import version_traits
-from launcher.predict.planner import Pins, evaluate
+from launcher.predict.features.capabilities import version_traits
+from launcher.predict.memory.budget import GiB, Layout
+from launcher.predict.search.planner import Pins, evaluate
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "validation"
 CSV = FIXTURES / "startup-observations.csv"

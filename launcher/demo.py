@@ -41,8 +41,8 @@ def _decide() -> None:
     from .inputs.hardware import parse_gpus
     from .inputs.model import load_model
     from .inputs.workload import SLO, resolve_workload
-    from .predict import capacity
-    from .predict.planner import make_plan
+    from .predict.capacity import capacity
+    from .predict.search.planner import make_plan
 
     spec, hw, w = load_model("deepseek-r1"), parse_gpus("8xH200"), resolve_workload(preset="chat")
     print("demo: $ vlaunch plan deepseek-r1 --gpus 8xH200 --workload chat --objective ...")

@@ -10,7 +10,7 @@ import shlex
 
 from .deployment import plan as P
 from .deployment.argv import engine_argv, pool_argv
-from .predict.capabilities import serve_argv
+from .predict.features.capabilities import serve_argv
 from .redact import redact_args, redact_env
 
 GiB = 1 << 30

@@ -14,7 +14,7 @@ from launcher.cli import cli
 from launcher.inputs import inventory
 from launcher.inputs.devices import NoGPUError
 from launcher.inputs.model import load_model
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.search.planner import Pins, make_plan
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ import pytest
 from launcher.errors import InputError
 from launcher.inputs.arch import Tensor, layer_kinds
 from launcher.inputs.model import ModelSpec, spec_from_config
-from launcher.predict.budget import Layout, param_count, shard_fraction
+from launcher.predict.memory.budget import Layout, param_count, shard_fraction
 
 TEXT: dict[str, Any] = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, intermediate_size=96, vocab_size=100,

@@ -14,8 +14,9 @@ import yaml
 from launcher.errors import InputError
 from launcher.observe.families import scaling_families
 from launcher.observe.vllmpage import parse_vllm_metrics
-from launcher.predict import startup, startup_measured
-from launcher.predict.autoscaling import (
+from launcher.predict.capacity import startup_measured
+from launcher.predict.capacity import startup_time as startup
+from launcher.predict.capacity.autoscaling import (
     HPA_MAX_WINDOW_S,
     Knee,
     ScalingAsk,
@@ -140,7 +141,7 @@ def test_measured_startup_is_used_by_the_next_plan(tmp_path, monkeypatch, tiny_m
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
     from launcher.run.startup_timing import learn_startup
 
     spec, hw = load_model(str(tiny_model)), parse_gpus("cpu")
@@ -177,7 +178,7 @@ def test_plan_cli_bad_replicas_is_one_line_exit_2(tiny_model):
 def _plan(tiny_model, **ask):
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     return make_plan(load_model(str(tiny_model)), parse_gpus("cpu"),
                      scaling=ScalingAsk(**ask)).deployment()
@@ -258,7 +259,7 @@ def test_a_corrupt_measured_startup_is_reported_and_not_used(tmp_path, monkeypat
 def test_exec_replans_with_the_emitted_bounds_and_weights_path():
     from types import SimpleNamespace as NS
 
-    from launcher.predict.autoscaling import ask_from_plan
+    from launcher.predict.capacity.autoscaling import ask_from_plan
 
     pool = NS(autoscaling=NS(min_replicas=2, max_replicas=5), startup=NS(load_path="volume"))
     assert ask_from_plan(NS(pool=pool)) == {

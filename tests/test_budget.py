@@ -8,7 +8,7 @@ import math
 import pytest
 
 from launcher.inputs.model import Quant, load_model, spec_from_config
-from launcher.predict import budget as B
+from launcher.predict.memory import budget as B
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from launcher.cli import cli
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import capacity
-from launcher.predict.planner import Pins
+from launcher.predict.capacity import capacity
+from launcher.predict.search.planner import Pins
 
 W = Workload(1024, 256)
 PINS = Pins(vllm_version="0.32.0", max_model_len=8192)

@@ -17,9 +17,9 @@ from launcher.cli import cli
 from launcher.inputs import hardware
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import capacity, mix, queueing
-from launcher.predict.planner import Pins
-from launcher.predict.prices import PriceBook, read_prices_file
+from launcher.predict.capacity import capacity, mix, queueing
+from launcher.predict.capacity.prices import PriceBook, read_prices_file
+from launcher.predict.search.planner import Pins
 
 W = Workload(1024, 256)
 PINS = Pins(vllm_version="0.32.0", max_model_len=8192)
@@ -169,8 +169,8 @@ def test_plans_refuse_a_node_that_does_not_exist():
 
 
 def test_nvl72_trays_talk_over_nvlink_within_the_domain():
-    from launcher.predict import budget as B
-    from launcher.predict.step import engine_shape
+    from launcher.predict.memory import budget as B
+    from launcher.predict.speed.step import engine_shape
 
     spec = load_model("llama-3.1-70b")
     tray = engine_shape(spec, hardware.parse_gpus("2x4xGB200"), B.Layout(tp=8, nodes=2),

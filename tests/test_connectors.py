@@ -1,4 +1,4 @@
-"""KV connector rules (profiles/connectors.yaml via launcher/predict/connectors.py): release
+"""KV connector rules (profiles/connectors.yaml via predict/features/connectors.py): release
 gates read from the sdists, TP rules from the connectors' documentation, and each pool's
 --kv-transfer-config and environment."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from launcher.errors import InputError
-from launcher.predict import connectors as C
+from launcher.predict.features import connectors as C
 
 
 def test_the_release_gates_follow_the_sdists():

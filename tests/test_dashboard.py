@@ -91,7 +91,7 @@ def vlaunch_metric_names() -> set[str]:
     (vLLM pointed at a closed port so the engine families appear without a server)."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     plan = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100")).deployment()
     exp = ex.Exporter("http://127.0.0.1:1", plan=plan,

@@ -17,7 +17,7 @@ from launcher.deployment.codec import dump, load
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import list_profiles
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.search.planner import Pins, make_plan
 
 GPUS = ("1xH100", "8xH200", "2x8xH100", "4xA100-80GB", "2xL40S", "8xMI300X", "cpu")
 OBJECTIVES = ("balanced", "throughput", "latency")
@@ -167,7 +167,7 @@ def test_exec_runs_the_plan_and_never_plans_again(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from launcher.cli import cli
-    from launcher.predict import planner
+    from launcher.predict.search import planner
     from launcher.run import serve
 
     folder = _emitted(tmp_path)
@@ -233,7 +233,7 @@ def test_bad_plan_json_is_one_line_and_exit_2_for_every_command(tmp_path, comman
 
 def test_replan_plans_for_the_memory_free_now(tmp_path, monkeypatch):
     from launcher.inputs import inventory
-    from launcher.predict.plan_inputs import inputs_from_plan
+    from launcher.predict.search.plan_inputs import inputs_from_plan
     from launcher.run.emit import load_plan
     from launcher.run.exec_plan import live_hardware
 

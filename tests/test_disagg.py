@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (launcher/predict/disagg.py): rate matching, hand-off, TTFT,
+"""Prefill/decode disaggregation (launcher/predict/speed/disagg.py): rate matching, hand-off, TTFT,
 checked from the arithmetic and swept as properties."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import budget as B
-from launcher.predict import disagg as D
-from launcher.predict import perf
-from launcher.predict.candidates import Pins, evaluate
-from launcher.predict.capabilities import version_traits
+from launcher.predict.features.capabilities import version_traits
+from launcher.predict.memory import budget as B
+from launcher.predict.memory.candidate_memory import Pins, evaluate
+from launcher.predict.speed import disagg as D
+from launcher.predict.speed import request_model as perf
 
 VERSION = "0.32.0"
 

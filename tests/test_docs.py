@@ -30,7 +30,7 @@ def _scratch():
 @pytest.mark.parametrize("path", DOCS, ids=[p.name if p.parent.name != "kubernetes"
                                             else "kubernetes/README.md" for p in DOCS])
 def test_doc_is_current(path: Path) -> None:
-    from launcher.predict.capabilities import installed_vllm
+    from launcher.predict.features.capabilities import installed_vllm
 
     if installed_vllm() is None:  # `make unit` before `make engine`: plans say what they assumed
         pytest.skip("the docs quote plans made beside the installed vLLM (make engine)")

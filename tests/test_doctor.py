@@ -34,7 +34,7 @@ from launcher.inputs.hardware import parse_gpus
 from launcher.observe import doctor
 from launcher.observe import doctor_logfix as dlf
 from launcher.observe import doctor_plancheck as dpc
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.search.planner import Pins, make_plan
 from launcher.run import vllmlog
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
@@ -323,7 +323,7 @@ def test_every_shown_fix_fits_by_the_planner_and_agrees_with_its_run_line(name, 
     """Property over every planned-cause fixture: a fix that is shown is one the planner says
     fits, and the `fix:` flags appear with the same values in the `run:` command, which
     itself re-plans to a plan that fits."""
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     report = _diagnose(name, h200_ctx)
     for d in report.diagnoses:
@@ -529,7 +529,7 @@ def test_failure_classification_sits_below_run_and_observe():
                                     "launcher.predict")) for m, _ in table), part
     for name in ("observe/doctor.py", "observe/doctor_logfix.py", "observe/doctor_plancheck.py",
                  "run/vllmlog.py", "inputs/vllm_failures.py", "inputs/vllm_rules.py",
-                 "inputs/vllm_loglines.py", "inputs/vllm_logfiles.py", "predict/replan.py"):
+                 "inputs/vllm_loglines.py", "inputs/vllm_logfiles.py", "predict/search/after_failure.py"):
         found = _imports(root / name)
         assert not [m for m, nested in found if nested], name
     for path in (root / "observe").glob("doctor*.py"):
@@ -572,8 +572,8 @@ def test_the_planner_refuses_a_head_size_the_cpu_backend_lacks(tmp_path):
     """A tiny Llama with head size 16 plans on a GPU and is refused on CPU, naming the sizes
     vLLM's CPU attention backend supports; the supported list is the one in vLLM's source."""
     from launcher.inputs.model import load_model
-    from launcher.predict import capabilities
-    from launcher.predict.planner import make_plan
+    from launcher.predict.features import capabilities
+    from launcher.predict.search.planner import make_plan
 
     for head_dim in (16, 32, 48, 64, 128):
         cfg = {"model_type": "llama", "hidden_size": 4 * head_dim, "num_hidden_layers": 2,

@@ -18,7 +18,7 @@ from launcher.deployment.argv import engine_argv
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.search.planner import Pins, make_plan
 from launcher.run import emit
 from launcher.run.emit import emit_plan, load_plan, write_termination_message
 
@@ -126,7 +126,7 @@ def test_crash_mid_write_leaves_previous_plan_readable(tmp_path):
         import dataclasses
         from launcher.inputs.hardware import parse_gpus
         from launcher.inputs.model import load_model
-        from launcher.predict.planner import Pins, make_plan
+        from launcher.predict.search.planner import Pins, make_plan
         plan = make_plan(load_model("llama-3.1-8b"), parse_gpus("1xH100"),
                          Pins(vllm_version="0.32.0")).deployment()
         pool = dataclasses.replace(plan.pool, env={{"BIG": "x" * 100000}})

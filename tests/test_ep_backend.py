@@ -13,10 +13,10 @@ from launcher.errors import InputError
 from launcher.inputs.hardware import GiB, MiB, parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import resolve_workload
-from launcher.predict import budget as B
-from launcher.predict import ep_backend as EP
-from launcher.predict.plan_inputs import inputs_from_plan
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.features import ep_backend as EP
+from launcher.predict.memory import budget as B
+from launcher.predict.search.plan_inputs import inputs_from_plan
+from launcher.predict.search.planner import Pins, make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 R1 = load_model("deepseek-r1")

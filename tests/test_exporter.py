@@ -36,7 +36,7 @@ from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.observe import exporter as ex
 from launcher.observe import scrapeclient, vllmpage
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.search.planner import Pins, make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-deepseek-v3"

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from launcher.cli import cli
 from launcher.errors import InputError
 from launcher.observe.fix_ranges import RANGES, out_of_range
-from launcher.predict import capacity
+from launcher.predict.capacity import capacity
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ROOT / "tests" / "fixtures" / "doctor"

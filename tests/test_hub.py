@@ -298,7 +298,7 @@ def test_revision_pins_a_branch_and_reaches_vllm_unchanged(stand_in: StandInHub)
 def test_exec_replans_the_recorded_commit_offline(stand_in: StandInHub, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from launcher.deployment.codec import load
-    from launcher.predict.plan_inputs import inputs_from_plan
+    from launcher.predict.search.plan_inputs import inputs_from_plan
 
     stand_in.add("acme/tiny", {"config.json": json.dumps(CONFIG).encode()},
                  branches={"main": "a" * 40, "dev": "b" * 40})

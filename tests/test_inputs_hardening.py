@@ -19,7 +19,7 @@ from launcher.deployment.codec import dump
 from launcher.errors import InputError
 from launcher.inputs.hardware import GiB, parse_gpus
 from launcher.inputs.model import load_model
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.search.planner import Pins, make_plan
 
 LLAMA = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 2048,
@@ -204,7 +204,7 @@ def test_corrupt_cache_is_reported_once_and_ignored(_cache, name, content):
 
 
 def test_lesson_of_the_wrong_type_is_not_trusted(_cache):
-    from launcher.predict.capabilities import fp8_kv_support, lesson_key, record_lesson
+    from launcher.predict.features.capabilities import fp8_kv_support, lesson_key, record_lesson
 
     # The table says yes on H100 and no on A100: a wrong-typed lesson read as truthy or falsy
     # would flip one of them.
@@ -232,7 +232,7 @@ def test_lesson_of_the_wrong_type_is_not_trusted(_cache):
     [1, 2], "row",
 ])
 def test_measured_row_of_the_wrong_type_is_not_used(_cache, capsys, row):
-    from launcher.predict import measured
+    from launcher.predict.memory import measured_kv as measured
 
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("1xH100")
     pins = Pins(vllm_version="0.32.0")
@@ -247,7 +247,7 @@ def test_measured_row_of_the_wrong_type_is_not_used(_cache, capsys, row):
 
 
 def test_calibration_record_of_the_wrong_type_is_not_used(_cache, capsys):
-    from launcher.predict import calibration
+    from launcher.predict.speed import calibration
 
     k = calibration.key("m", "H100", 8, 1, 1, 8, False, "auto", "0.32.0")
     good = {"fixed_scale": 1.5, "roofline_scale": 1.2, "points": [], "family": "f"}
@@ -306,7 +306,7 @@ def _write_keys(prefix: str, n: int) -> None:
 
 
 def _write_lessons(prefix: str, n: int) -> None:
-    from launcher.predict.capabilities import record_lesson
+    from launcher.predict.features.capabilities import record_lesson
 
     for i in range(n):
         record_lesson(f"{prefix}-{i}", i % 2 == 0, f"lesson {i}")
@@ -319,15 +319,15 @@ def _with_context(d, n: int):
 
 
 def _write_measured(d, n: int) -> None:
-    from launcher.predict import measured
+    from launcher.predict.memory import measured_kv as measured
 
     for i in range(n):
         measured.record(_with_context(d, d.engine.max_model_len - i), 10**9 + i, "test")
 
 
 def _write_calibration(d) -> None:
-    from launcher.predict import calibration
-    from launcher.predict.planshape import shape_from_plan
+    from launcher.predict.search.engine_from_plan import shape_from_plan
+    from launcher.predict.speed import calibration
 
     calibration.record(d, [{"concurrency": 4, "input_len": 1024, "output_len": 256,
                             "output_tokens_per_s": 500.0, "tpot_ms": 20.0}], "test",
@@ -355,7 +355,8 @@ def test_concurrent_writers_keep_every_update(_cache):
 
 
 def test_concurrent_measured_and_calibration_records_keep_every_update(_cache):
-    from launcher.predict import calibration, measured
+    from launcher.predict.memory import measured_kv as measured
+    from launcher.predict.speed import calibration
 
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")
     plans = [make_plan(spec, hw, Pins(vllm_version="0.32.0", tp=tp, kv_cache_dtype="auto"))

@@ -1,4 +1,4 @@
-"""Hybrid KV cache arithmetic from first principles (launcher/predict/kvcache.py), each test
+"""Hybrid KV cache arithmetic from first principles (launcher/predict/memory/kvcache.py), each test
 stating vLLM 0.32's rule and the numbers it gives. The engine proof is tests/test_hybrid_engine.py.
 """
 
@@ -10,10 +10,10 @@ import tinyhybrid
 from launcher.inputs.arch import layer_kinds
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import spec_from_config
-from launcher.predict import budget as B
-from launcher.predict import kvcache as K
-from launcher.predict.capabilities import version_traits
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.features.capabilities import version_traits
+from launcher.predict.memory import budget as B
+from launcher.predict.memory import kvcache as K
+from launcher.predict.search.planner import Pins, make_plan
 
 
 def test_uniform_model_is_one_group_and_matches_the_old_count():

@@ -8,8 +8,8 @@ import pytest
 
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
-from launcher.predict import measured
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.memory import measured_kv as measured
+from launcher.predict.search.planner import Pins, make_plan
 from launcher.run import vllmlog
 from launcher.run.serve import learn_measured_kv
 

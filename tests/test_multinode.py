@@ -205,7 +205,7 @@ def test_real_plan_two_nodes_leader_and_worker():
     # A plan straight from the planner (DeepSeek-R1 on 2x8xH100) becomes two node commands.
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import Pins, make_plan
+    from launcher.predict.search.planner import Pins, make_plan
 
     d = make_plan(load_model("deepseek-r1"), parse_gpus("2x8xH100"),
                   Pins(vllm_version="0.32.0")).to_dict()

@@ -12,7 +12,7 @@ from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import PRESETS, SLO, fit_to_context, parse_slo, resolve_workload
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.search.planner import Pins, make_plan
 
 
 def plan(model, gpus, objective="balanced", **kw):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from launcher.inputs.model import ModelSpec, load_model
-from launcher.predict.budget import param_count
+from launcher.predict.memory.budget import param_count
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "validation" / "corpus"
 TOLERANCE = 0.005

@@ -13,11 +13,11 @@ from launcher.deployment.codec import load
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import budget as B
-from launcher.predict import perf
-from launcher.predict.planner import Pins, make_plan
-from launcher.predict.planshape import shape_from_plan
-from launcher.predict.step import ACTIVATION_PASSES, BOUNDS, SOFT_Q, stage_step
+from launcher.predict.memory import budget as B
+from launcher.predict.search.engine_from_plan import shape_from_plan
+from launcher.predict.search.planner import Pins, make_plan
+from launcher.predict.speed import request_model as perf
+from launcher.predict.speed.step import ACTIVATION_PASSES, BOUNDS, SOFT_Q, stage_step
 from launcher.render import plan_text
 
 V = Pins(vllm_version="0.32.0")
@@ -244,7 +244,7 @@ def test_every_catalog_constant_is_positive_and_sourced():
 def test_calibration_is_recorded_and_plans_say_measured(tmp_path, monkeypatch):
     """tune's points for one engine refit its scales; the next plan for the same key says
     `source: measured`, another layout of the same family borrows the scales as `model`."""
-    from launcher.predict import calibration
+    from launcher.predict.speed import calibration
 
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")
@@ -284,13 +284,14 @@ def test_plans_carry_the_held_out_range_around_their_figures():
 
 
 def test_the_performance_models_import_no_planner_search_or_serving_decision():
-    # models -> search -> plan, one way: ops/step/perf/mtp/perfplan never reach back.
+    # models -> search -> plan, one way: ops/step/request_model/mtp/speed_decisions never reach
+    # back.
     import ast
     from pathlib import Path
 
     root = Path(perf.__file__).parent
-    banned = {"planner", "serving", "speculative", "capacity", "planshape"}
-    for name in ("ops", "step", "perf", "mtp", "perfplan"):
+    banned = {"planner", "serving", "speculative", "capacity", "engine_from_plan"}
+    for name in ("ops", "step", "request_model", "mtp", "speed_decisions"):
         tree = ast.parse((root / f"{name}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):

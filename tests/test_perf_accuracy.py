@@ -55,7 +55,7 @@ def test_the_plans_held_out_range_is_this_spread(held_out, quantity, key):
     # perf.HELD_OUT_SPREAD (the plans' performance.range) is the 10th-90th percentile of
     # exactly these held-out errors: one number per fact, refreshed with the constants
     # (python bench/perf_fit.py prints it).
-    from launcher.predict import perf
+    from launcher.predict.speed import request_model as perf
 
     _, held = held_out
     lo, hi = perf_fit.spread(held, quantity)

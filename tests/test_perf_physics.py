@@ -19,11 +19,12 @@ import pytest
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import budget as B
-from launcher.predict import mtp, perf
-from launcher.predict.capabilities import version_traits
-from launcher.predict.planner import Pins, evaluate
-from launcher.predict.step import kv_read_tokens, stage_step, step_s
+from launcher.predict.features.capabilities import version_traits
+from launcher.predict.memory import budget as B
+from launcher.predict.search.planner import Pins, evaluate
+from launcher.predict.speed import mtp
+from launcher.predict.speed import request_model as perf
+from launcher.predict.speed.step import kv_read_tokens, stage_step, step_s
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 MODELS = {
@@ -353,9 +354,9 @@ def test_calibrate_then_plan_round_trips_at_dp_plus_ep():
 def test_calibrate_then_plan_through_the_cache(tmp_path, monkeypatch, model, gpus, pins):
     """`vlaunch tune`'s path: points measured on an engine whose fixed costs are doubled are
     recorded; the next plan for that engine says `measured` and predicts them within 5%."""
-    from launcher.predict import calibration
-    from launcher.predict.planner import make_plan
-    from launcher.predict.planshape import shape_from_plan
+    from launcher.predict.search.engine_from_plan import shape_from_plan
+    from launcher.predict.search.planner import make_plan
+    from launcher.predict.speed import calibration
 
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     p = Pins(vllm_version=VERSION, pp=1, kv_cache_dtype="auto", **pins)

@@ -46,7 +46,7 @@ def test_single_request_rows_of_dense_models_are_close(fit):
 
 
 def test_mtp_rows_are_speedups_below_tokens_per_step(fit):
-    from launcher.predict.mtp import Acceptance
+    from launcher.predict.speed.mtp import Acceptance
 
     results, _ = fit
     for r in (r for r in results if r.quantity == "mtp_speedup"):

@@ -92,7 +92,7 @@ def test_plan_text_says_what_will_happen_first_and_one_knee(model, gpus):
     the SLO holds); max-num-seqs is the batch that runs at once, never called a knee."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import Pins, make_plan
+    from launcher.predict.search.planner import Pins, make_plan
     from launcher.render import plan_text
 
     dep = make_plan(load_model(model), parse_gpus(gpus), Pins()).deployment()

@@ -20,10 +20,10 @@ CODEC = {"launcher/deployment/codec.py", "launcher/deployment/schema.py"}
 
 NOT_A_PLAN = {  # module -> keys it reads from something that is not a plan, and what
     "launcher/observe/vllmpage.py": {"engine"},  # the `engine` label of vLLM's metrics
-    "launcher/predict/capabilities.py": {"engine", "max_num_batched_tokens"},  # table rows
-    "launcher/predict/perf.py": {"max_num_batched_tokens"},  # a calibration point's limits
-    "launcher/predict/calibration.py": {"max_num_batched_tokens"},  # the same points
-    "launcher/predict/serving.py": {"candidates"},  # the MTP table's draft counts
+    "launcher/predict/features/capabilities.py": {"engine", "max_num_batched_tokens"},  # table rows
+    "launcher/predict/speed/request_model.py": {"max_num_batched_tokens"},  # a calibration's limits
+    "launcher/predict/speed/calibration.py": {"max_num_batched_tokens"},  # the same points
+    "launcher/predict/features/serving.py": {"candidates"},  # the MTP table's draft counts
     "launcher/run/tune_candidates.py": {"candidates"},  # the same table
 }
 NOT_YET_TYPED: dict[str, set[str]] = {}  # module -> plan keys it still reads (none left)

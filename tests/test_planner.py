@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from launcher.cli import cli
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.search.planner import Pins, make_plan
 
 V = Pins(vllm_version="0.32.0")
 
@@ -257,7 +257,7 @@ def test_expert_parallel_never_exceeds_the_routed_experts():
              "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
              "first_k_dense_replace": 1, "vocab_size": 4096, "max_position_embeddings": 8192}
     spec = spec_from_config(small, name="four-experts")
-    from launcher.predict.planner import layouts
+    from launcher.predict.search.planner import layouts
 
     lays = layouts(spec, parse_gpus("8xH100"), Pins())
     assert lays and all(L.tp * L.dp <= 4 for L in lays if L.expert_parallel)

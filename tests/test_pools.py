@@ -1,5 +1,5 @@
-"""Disaggregated deployments in the typed plan (launcher/predict/pools.py): the choice between
-aggregated and xPyD candidates, the JSON of the two pools, and bad input in one line."""
+"""Disaggregated deployments in the typed plan (launcher/predict/search/pd_pools.py): the choice
+between aggregated and xPyD candidates, the JSON of the two pools, and bad input in one line."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from launcher.deployment.codec import dump, load
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import disagg, pools
-from launcher.predict.planner import Pins
+from launcher.predict.search import pd_pools as pools
+from launcher.predict.search.planner import Pins
+from launcher.predict.speed import disagg
 
 VERSION = "0.32.0"
 RELAXED = SLO(ttft_ms=10_000, tpot_ms=50)
@@ -207,7 +208,7 @@ def test_short_prompts_stay_aggregated():
 
 
 def test_off_is_todays_plan_plus_its_reason():
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")
     r = pools.plan_deployment(spec, hw, Pins(vllm_version=VERSION), mode="off")
@@ -262,7 +263,7 @@ def test_the_text_shows_both_pools_and_their_commands():
 
 
 def test_every_pairing_the_sweep_emits_passes_the_connector_rules():
-    from launcher.predict import connectors
+    from launcher.predict.features import connectors
 
     for (model, gpus, inp, out), name in itertools.product(CASES, ["NixlConnector"]):
         d = _planned(model, gpus, inp, out).deployment
@@ -274,8 +275,8 @@ def test_every_pairing_the_sweep_emits_passes_the_connector_rules():
 
 
 def test_capacity_units_gpus_and_bill_are_the_units_arithmetic():
-    from launcher.predict import capacity, capacity_pd
-    from launcher.predict.prices import PriceBook
+    from launcher.predict.capacity import capacity, capacity_pd
+    from launcher.predict.capacity.prices import PriceBook
 
     spec, w = load_model("llama-3.1-70b"), Workload(8192, 256)
     book = PriceBook(flat={"H200": 3.0})
@@ -300,7 +301,7 @@ def test_capacity_units_gpus_and_bill_are_the_units_arithmetic():
 
 
 def test_capacity_verdict_names_the_cheaper_deployment():
-    from launcher.predict import capacity_pd
+    from launcher.predict.capacity import capacity_pd
 
     def opt(usd, gpus):
         return {"gpus": f"{gpus}", "units": 1, "gpus_total": gpus, "monthly_usd": usd}
@@ -451,8 +452,8 @@ def test_each_pool_gets_deepeps_kernel_for_its_role(monkeypatch):
     """Across nodes, DeepEP's high-throughput kernels prefill and its low-latency ones decode
     (vLLM expert_parallel_deployment.md); the aggregated search picks one by objective and
     workload, so a pool's replica is re-planned with its role's kernel; a pin is kept."""
-    from launcher.predict.ep_backend import IMAGE_PACKAGES_ENV
-    from launcher.predict.planner import make_plan
+    from launcher.predict.features.ep_backend import IMAGE_PACKAGES_ENV
+    from launcher.predict.search.planner import make_plan
 
     monkeypatch.setenv(IMAGE_PACKAGES_ENV, "deep_ep,nvshmem")
     spec, hw = load_model("deepseek-r1"), parse_gpus("2x8xH200")

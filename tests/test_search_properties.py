@@ -22,8 +22,8 @@ from launcher.deployment.codec import load
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload, resolve_workload
-from launcher.predict import rank
-from launcher.predict.planner import Pins, layouts, make_plan
+from launcher.predict.search import rank
+from launcher.predict.search.planner import Pins, layouts, make_plan
 from launcher.render import plan_text
 
 CASES = [  # model, GPUs: dense and MoE, tight and roomy memory, one node and two
@@ -180,7 +180,7 @@ def test_deepseek_8xh200_decisions_hold_for_the_right_reason(mtp):
 
 @pytest.mark.parametrize("mtp", [False, True])
 def test_deepseek_8xh200_throughput_is_ep_at_its_best_knee(mtp):
-    # TP8+EP or DP+EP is the performance model's call (predict/step.py: within ~15% of each
+    # TP8+EP or DP+EP is the performance model's call (predict/speed/step.py: within ~15% of each
     # other at the default SLO; TP8 reads every sequence's MLA latent on every rank, DP+EP pays
     # the all-gather / reduce-scatter and replicated attention weights): the throughput
     # objective takes an EP layout and the one with the highest knee.

@@ -147,7 +147,7 @@ def test_multinode_exec_dry_run_never_prints_a_secret(tmp_path, monkeypatch):
     from launcher.deployment.codec import dump
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import Pins, make_plan
+    from launcher.predict.search.planner import Pins, make_plan
 
     plan = make_plan(load_model("llama-3.1-70b"), parse_gpus("2x8xH100"),
                      Pins(tp=8, pp=2, vllm_version="0.32.0")).deployment()
@@ -213,7 +213,7 @@ def test_every_plan_the_planner_makes_passes_the_multinode_allowlist():
     """The allowlist is not narrower than the planner: every profile on several machines."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import Pins, make_plan
+    from launcher.predict.search.planner import Pins, make_plan
 
     models = sorted(p.stem for p in (REPO / "profiles" / "models").glob("*.yaml"))
     checked = 0
@@ -276,7 +276,7 @@ def test_gpu_caps_leave_every_catalog_node_and_the_largest_cluster_plannable():
 
 
 def test_divisors_are_all_the_divisors():
-    from launcher.predict.candidates import _divisors
+    from launcher.predict.memory.candidate_memory import _divisors
 
     rng = random.Random(7)
     for n in [1, 2, 16, 36, 97, 65536, *(rng.randint(1, 5000) for _ in range(200))]:

@@ -11,9 +11,9 @@ from launcher.deployment.codec import load
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
-from launcher.predict import serving_flags as F
-from launcher.predict.plan_inputs import inputs_from_plan
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.features import serving_flags as F
+from launcher.predict.search.plan_inputs import inputs_from_plan
+from launcher.predict.search.planner import Pins, make_plan
 from launcher.render import plan_text
 
 

@@ -27,10 +27,10 @@ from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, resolve_workload
-from launcher.predict import budget as B
-from launcher.predict import speculative as S
-from launcher.predict.plan_inputs import inputs_from_plan
-from launcher.predict.planner import Pins, make_plan
+from launcher.predict.features import speculative as S
+from launcher.predict.memory import budget as B
+from launcher.predict.search.plan_inputs import inputs_from_plan
+from launcher.predict.search.planner import Pins, make_plan
 
 H, N, QLR, KLR, NOPE, ROPE, V = 7168, 128, 1536, 512, 128, 64, 128
 E, MOE_I, VOCAB = 256, 2048, 129280
@@ -181,7 +181,7 @@ def test_latency_objective_turns_mtp_on_with_reason_and_numbers():
 def test_mtp_is_on_exactly_when_its_best_beats_the_best_without_by_the_margin(objective):
     # long prompts on 16 engines: whatever MTP gains at the knee, the decision follows the
     # margin (the discount rank.py applies to a draft the planner, not the user, turns on)
-    from launcher.predict import rank
+    from launcher.predict.search import rank
 
     kw = dict(dp=16, objective=objective, workload=resolve_workload(8192, 256))
     auto = _plan("deepseek-v3.2", "2x8xH200", **kw)
@@ -359,7 +359,7 @@ def test_tune_varies_mtp_as_a_knob():
 
 
 def test_capacity_options_carry_the_serving_features():
-    from launcher.predict.capacity import Load, plan_capacity
+    from launcher.predict.capacity.capacity import Load, plan_capacity
 
     d = plan_capacity(load_model("deepseek-r1"), Load(rps=5), resolve_workload(), SLO(),
                       ["8xH200"])
@@ -369,7 +369,7 @@ def test_capacity_options_carry_the_serving_features():
     if s["mtp"]:
         assert "--speculative-config" in o["vllm_args"] and s["mtp_reason"].startswith("MTP on")
     # capacity's replica is `vlaunch plan`'s plan for the option: the same command
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     plan = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"),
                      workload=resolve_workload(), slo=SLO()).to_dict()

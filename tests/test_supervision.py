@@ -29,7 +29,7 @@ from launcher.deployment.codec import dump
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
-from launcher.predict.planner import Pins
+from launcher.predict.search.planner import Pins
 from launcher.run import logpump
 from launcher.run.drain import DEFAULT_STOP_TIMEOUT_S, drain_seconds, with_drain
 from launcher.run.multinode import build_launch
@@ -528,7 +528,7 @@ def _ray_plan(model: Path):
     """A real two-node plan (TP4 x PP2 on 2x4xH100) on Ray."""
     import dataclasses
 
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     d = make_plan(load_model(str(model)), parse_gpus("2x4xH100"), Pins(tp=4, pp=2)).deployment()
     engine = dataclasses.replace(d.engine, distributed_executor_backend="ray")
@@ -651,7 +651,7 @@ def test_exec_ray_head_failure_through_the_cli(env, model, tmp_path, fake_ray, m
 
 
 def test_mp_worker_runs_headless_vllm_and_refuses_a_layout_change(env, model, tmp_path):
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     plan = make_plan(load_model(str(model)), parse_gpus("2x4xH100"),
                      Pins(tp=4, pp=2)).deployment()
@@ -757,7 +757,7 @@ def test_a_dry_run_shows_the_port_a_real_run_takes(env, model, tmp_path):
 def test_serve_records_the_start_up_and_the_next_plan_uses_it(env, model, tmp_path):
     """serve times the fake engine's phases to ready; a plan of the same setup then carries
     that start-up (source measured) and its autoscaling windows follow it."""
-    from launcher.predict.planner import make_plan
+    from launcher.predict.search.planner import make_plan
 
     env("ready", lifetime=1)
     result, lines = _serve(model, log_dir=tmp_path, max_attempts=1)

@@ -28,8 +28,8 @@ from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.prompts import builtin_prompts, load_prompts
 from launcher.inputs.workload import SLO, Workload
-from launcher.predict import speculative as SP
-from launcher.predict.planner import Pins
+from launcher.predict.features import speculative as SP
+from launcher.predict.search.planner import Pins
 from launcher.run import tune as T
 from launcher.run import tune_search as S
 from launcher.run.emit import load_plan
@@ -353,7 +353,7 @@ def test_tune_end_to_end_on_a_fake_engine(tmp_path: Path, fake_engine, tiny_spec
     assert rec["measured"]["goodput_rps"] >= base["measured"]["goodput_rps"]
     assert rec["measured"]["goodput_rps"] == max(t["knee"]["goodput_rps"] for t in ok
                                                  if t["rung"] == rec["rung"])
-    # every finished trial taught the performance model (launcher.predict.calibration) its points
+    # every finished trial taught the performance model (predict.speed.calibration) its points
     assert all(t["calibration"].endswith("calibration.json") for t in ok), [
         t["calibration"] for t in ok]
     stored = json.loads((tmp_path / "cache" / "calibration.json").read_text())

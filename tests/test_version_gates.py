@@ -10,10 +10,10 @@ import pytest
 from launcher.errors import InputError
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
-from launcher.predict import budget as B
-from launcher.predict import capabilities as caps
-from launcher.predict.capabilities import batch_defaults, version_traits
-from launcher.predict.planner import Pins, layouts, make_plan
+from launcher.predict.features import capabilities as caps
+from launcher.predict.features.capabilities import batch_defaults, version_traits
+from launcher.predict.memory import budget as B
+from launcher.predict.search.planner import Pins, layouts, make_plan
 
 
 def test_features_follow_their_first_release():

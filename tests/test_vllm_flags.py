@@ -319,7 +319,7 @@ def test_every_plan_the_planner_makes_passes_exec_checks():
     """The allow-lists are not narrower than the planner: every profile on several machines."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.planner import Pins, make_plan
+    from launcher.predict.search.planner import Pins, make_plan
     from launcher.run.exec_check import check_exec_plan
 
     models = sorted(p.stem for p in (REPO / "profiles" / "models").glob("*.yaml"))
@@ -365,7 +365,7 @@ def test_the_doctors_run_line_carries_only_the_safe_set(tmp_path):
 
 
 def test_a_users_flag_replaces_the_plans_in_any_spelling_vllm_accepts():
-    from launcher.predict.replan import merge_args
+    from launcher.predict.search.after_failure import merge_args
 
     planned = ["--model", "m", "--gpu-memory-utilization", "0.90", "--max-model-len", "4096"]
     for mine in (["--device-memory-utilization", "0.80"], ["--gpu_memory_utilization", "0.80"],

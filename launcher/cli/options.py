@@ -19,7 +19,7 @@ def hardware(gpus: str | None):
 
     from ..inputs.hardware import cpu_hardware
     from ..inputs.inventory import detect_hardware
-    from ..predict.capabilities import installed_cpu_engine
+    from ..predict.features.capabilities import installed_cpu_engine
 
     try:
         return detect_hardware()
@@ -32,7 +32,7 @@ def hardware(gpus: str | None):
 
 
 def pins(**kw) -> Pins:  # noqa: F821 - imported lazily to keep `--help` fast
-    from ..predict.planner import Pins
+    from ..predict.search.planner import Pins
 
     return Pins(**kw)
 
@@ -74,7 +74,7 @@ def table_pins(group: str) -> list:
 
 
 def serving_options() -> list:
-    """Pins of the serving features (launcher/predict/serving.py): MTP, parsers, all-to-all."""
+    """Pins of the serving features (predict/features/serving.py): MTP, parsers, all-to-all."""
     return [
         click.option("--mtp/--no-mtp", "speculative", default=None,
                      help="Pin MTP speculative decoding on or off (DeepSeek's MTP layer)."),
@@ -143,7 +143,7 @@ def scaling_options(f):
 def split_goals(kw: dict) -> dict:
     """Pop the workload (and pool size) options out of `kw`: make_plan's keywords."""
     from ..inputs.workload import parse_slo, resolve_workload
-    from ..predict.autoscaling import ScalingAsk
+    from ..predict.capacity.autoscaling import ScalingAsk
 
     raw = {k: kw.pop(k, None) for k in _WORKLOAD_KEYS}
     goals = {"workload": resolve_workload(raw["input_len"], raw["output_len"], raw["workload"]),
@@ -165,7 +165,7 @@ def revision_option(f):
 
 def build_plan(model: str, gpus: str | None, revision: str | None = None, **kw):
     from ..inputs.model import load_model
-    from ..predict.planner import make_plan
+    from ..predict.search.planner import make_plan
 
     goals = split_goals(kw)
     spec = load_model(model, revision)
@@ -175,7 +175,7 @@ def build_plan(model: str, gpus: str | None, revision: str | None = None, **kw):
 
 def disaggregate_options(f):
     """--disaggregate and --kv-connector: whether the plan may split into prefill and decode
-    pools (predict/pools.py), and the connector that moves the KV between them."""
+    pools (predict/search/pd_pools.py), and the connector that moves the KV between them."""
     f = click.option("--decode-tp", type=click.IntRange(min=1),
                      help="Pin the decode pool's tensor-parallel size.")(f)
     f = click.option("--prefill-tp", type=click.IntRange(min=1),
@@ -193,7 +193,7 @@ def build_deployment(model: str, gpus: str | None, revision: str | None = None, 
                      prefill_tp: int | None = None, decode_tp: int | None = None, **kw):
     """The Deployment `vlaunch plan` prints: aggregated, or split where that wins."""
     from ..inputs.model import load_model
-    from ..predict.pools import plan_deployment
+    from ..predict.search.pd_pools import plan_deployment
 
     goals = split_goals(kw)
     spec = load_model(model, revision)

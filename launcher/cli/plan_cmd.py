@@ -268,8 +268,8 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     """
 
     from ..inputs.model import load_model
-    from ..predict import capacity
-    from ..predict.prices import PriceBook, parse_prices, read_prices_file
+    from ..predict.capacity import capacity
+    from ..predict.capacity.prices import PriceBook, parse_prices, read_prices_file
 
     goals = split_goals(kw)
     load = capacity.Load(users=users, rps=rps)
@@ -284,13 +284,13 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
             _pins(max_model_len=max_model_len, vllm_version=vllm_version,
                   speculative=speculative))
     if mix:
-        from ..predict import mix as mixing
+        from ..predict.capacity import mix as mixing
 
         d = mixing.plan_capacity_mix(*args, objective=goals["objective"], lengths=lengths_file)
     else:
         d = capacity.plan_capacity(*args, objective=goals["objective"])
         if disaggregate != "off":
-            from ..predict.capacity_pd import add_disaggregated
+            from ..predict.capacity.capacity_pd import add_disaggregated
 
             add_disaggregated(d, spec, load, goals["workload"], goals["slo"], book, headroom,
                               spare, args[-1])
@@ -303,7 +303,7 @@ def capacity_cmd(model: str, revision: str | None, users: int | None, rps: float
     else:
         term.echo(capacity.render(d, term.width()))
         if "disaggregated" in d:
-            from ..predict.capacity_pd import render_lines
+            from ..predict.capacity.capacity_pd import render_lines
 
             term.echo(_fit("\n".join(render_lines(d))))
         if mix:
@@ -319,7 +319,7 @@ def profiles_cmd(fmt: str) -> None:
     import json
 
     from ..inputs.model import list_profiles
-    from ..predict.budget import GiB, checkpoint_scale, param_count, weights_bytes
+    from ..predict.memory.budget import GiB, checkpoint_scale, param_count, weights_bytes
 
     # the plan's names for the same things: model.params, .weights_bytes, .max_context
     rows = [{"name": p.name, "hf_id": p.hf_id, "architecture": p.architecture,

@@ -185,7 +185,7 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
                                    "node_rank": launch.node_rank}, indent=2))
         sys.exit(rc)
     if replan:
-        from ..predict.plan_inputs import inputs_from_plan
+        from ..predict.search.plan_inputs import inputs_from_plan
         from ..run.exec_plan import goals_from_plan, live_hardware, relabel_pins
 
         spec, hw, pins = inputs_from_plan(dep)

@@ -2,8 +2,9 @@
 
 Frozen dataclasses, not pydantic: the plan must stay a light import (`vlaunch plan` and
 `--help` import it), it adds no dependency, and it is the style of vLLM's own configs
-(vllm/config/*.py). A `Deployment` is made once by the planner (predict/planner.py), written and
-read only by the codec (`deployment.codec`), and rendered at the edge (render.py, plot.py).
+(vllm/config/*.py). A `Deployment` is made once by the planner (predict/search/planner.py),
+written and read only by the codec (`deployment.codec`), and rendered at the edge (render.py,
+plot.py).
 
 A deployment is one `aggregated` pool, or a `prefill` and a `decode` pool (disaggregated
 serving, each with its side of the KV hand-off in `transfer`); a pool's autoscaling is the
@@ -118,7 +119,7 @@ class Range:
 
 
 Client = Literal["bench-synchronised", "poisson", "closed-loop"]
-"""Who sends the requests a figure assumes (launcher/predict/perf.py CLIENTS)."""
+"""Who sends the requests a figure assumes (launcher/predict/speed/request_model.py CLIENTS)."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Startup:
-    """One replica's start-up, term by term (predict/startup.py), or as `serve`/`tune` measured
+    """One replica's start-up, term by term (startup_time.py), or as `serve`/`tune` measured
     it from vLLM's log phases (source "measured")."""
 
     seconds: float
@@ -296,7 +297,7 @@ class Startup:
 @dataclass(frozen=True)
 class Autoscaling:
     """A pool's autoscaling targets, derived from one replica's SLO knee and start-up
-    (predict/autoscaling.py): what the KEDA ScaledObject and the exporter use."""
+    (predict/capacity/autoscaling.py): what the KEDA ScaledObject and the exporter use."""
 
     role: Role
     target_running_per_replica: int
@@ -314,7 +315,8 @@ class Autoscaling:
 
 @dataclass(frozen=True)
 class KVTransfer:
-    """One pool's side of the prefill->decode KV hand-off (predict/pools.py): the connector's
+    """One pool's side of the prefill->decode KV hand-off
+    (predict/search/pd_pools.py): the connector's
     `--kv-transfer-config` object as the engine is given it, and the hand-off's figures (the
     prompt's KV bytes per GPU over `path`, the seconds TTFT pays, the connector's one-time
     handshake per prefill-decode pair)."""
@@ -346,8 +348,8 @@ class Pool:
     performance: Performance | None
     serving: Serving | None
     per_stage: tuple[Stage, ...] = ()
-    autoscaling: Autoscaling | None = None  # issue 27 (predict/autoscaling.py)
-    startup: Startup | None = None  # issue 27 (predict/startup.py)
+    autoscaling: Autoscaling | None = None  # issue 27 (predict/capacity/autoscaling.py)
+    startup: Startup | None = None  # issue 27 (predict/capacity/startup_time.py)
     transfer: KVTransfer | None = None  # a prefill or decode pool's side of the hand-off
 
 

@@ -17,7 +17,7 @@ it in a pipeline stage (None: embedding side for embed/vision, last stage for he
 
 KV fields (num_kv_heads, head_dim, num_layers) describe the attention layers; `layer_kinds`
 says which layers cache a sliding window, a chunk or a recurrent state instead of every token
-(launcher/predict/kvcache.py sizes each kind as vLLM does).
+(launcher/predict/memory/kvcache.py sizes each kind as vLLM does).
 """
 
 from __future__ import annotations

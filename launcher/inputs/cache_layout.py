@@ -1,6 +1,6 @@
 """What a config says about the KV cache beyond the attention shapes: the kind of each decoder
 layer (full, sliding window, chunked, linear state) and the sizes those kinds need.
-launcher/predict/kvcache.py turns them into vLLM's cache specs; arch.py describes the weights.
+predict/memory/kvcache.py turns them into vLLM's cache specs; arch.py describes the weights.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
     with no layer_types windows every layer (Attention takes cache_config.sliding_window);
     Llama 4 attends chunk-locally on every RoPE layer (llama4.py: not nope and
     attention_chunk_size); Qwen2's sliding switch; full_attention_interval for linear hybrids.
-    launcher/predict/kvcache.py turns the kinds into cache specs.
+    launcher/predict/memory/kvcache.py turns the kinds into cache specs.
     """
     c = merged_config(cfg)
     layers = int(c["num_hidden_layers"])

@@ -5,7 +5,7 @@ metadata), a local Hugging Face directory, a path to a config.json, or a Hugging
 the local HF cache or on the Hub (launcher/inputs/hub.py). Its weights are described
 as a list of `Tensor` groups, each knowing how vLLM shards it (column/row-parallel, vocab-parallel,
 replicated, per-expert) and whether the checkpoint's quantization covers it. Counting parameters,
-weight bytes and per-rank bytes are then simple sums in `launcher.predict.budget`; nothing
+weight bytes and per-rank bytes are then simple sums in `launcher.predict.memory.budget`; nothing
 here knows about GPUs.
 """
 

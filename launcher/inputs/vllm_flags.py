@@ -131,7 +131,7 @@ _FLAGS = (
                     "Pin the KV cache size per GPU (vLLM then skips its profiling).")),
     FlagSpec("enable_chunked_prefill", SWITCH, plan=SWITCH),
     FlagSpec("block_size", INT, plan=COUNT),
-    # --- serving features (launcher/predict/serving_flags.py, ep_backend.py, speculative.py) --
+    # --- serving features (predict/features/serving_flags.py, ep_backend.py, speculative.py) --
     FlagSpec("reasoning_parser", STR, plan=NAME, since="0.7.1",
              pin=_p("--reasoning-parser", "reasoning_parser",
                     "Pin vLLM's reasoning parser ('none': off).", group="serving")),

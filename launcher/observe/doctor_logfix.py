@@ -18,8 +18,8 @@ from typing import Any
 from ..inputs import vllm_flags as F
 from ..inputs.vllm_failures import Diagnosis, Report
 from ..inputs.vllm_loglines import Facts
-from ..predict.capabilities import CPU_ATTENTION_HEAD_SIZES, serve_argv
-from ..predict.replan import merge_args
+from ..predict.features.capabilities import CPU_ATTENTION_HEAD_SIZES, serve_argv
+from ..predict.search.after_failure import merge_args
 from .fix_ranges import out_of_range
 
 DEFAULT_UTILIZATION = 0.92  # vllm/config/cache.py CacheConfig.gpu_memory_utilization (0.32.0)

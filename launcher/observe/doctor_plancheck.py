@@ -24,15 +24,15 @@ from ..inputs.hardware import parse_gpus
 from ..inputs.model import load_model
 from ..inputs.vllm_failures import Diagnosis, Report, to_failure
 from ..inputs.vllm_loglines import Facts
-from ..predict.capabilities import (
+from ..predict.features.capabilities import (
     batch_defaults,
     default_vllm_version,
     serve_argv,
     version_traits,
 )
-from ..predict.plan_inputs import inputs_from_plan
-from ..predict.planner import Pins, make_plan
-from ..predict.replan import replan_pins
+from ..predict.search.after_failure import replan_pins
+from ..predict.search.plan_inputs import inputs_from_plan
+from ..predict.search.planner import Pins, make_plan
 from .doctor_logfix import shell_join, vllm_command_from_log
 
 # --- fixes checked by the planner --------------------------------------------------------------

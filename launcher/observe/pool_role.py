@@ -3,7 +3,8 @@
 vLLM logs its non-default args at start-up; a P/D engine's include `kv_transfer_config` (the
 connector and kv_role: inputs/vllm_failures.py reads its repr). kv_producer is a prefill
 engine and kv_consumer a decode one; vlaunch runs both pools kv_both (the role a request
-plays comes from its kv_transfer_params: predict/connectors.py), so then the role comes from
+plays comes from its kv_transfer_params:
+predict/features/connectors.py), so then the role comes from
 the plan given with --plan (the pool whose engine has the log's layout and batch limits), or
 from the log's file name (`vlaunch serve --disaggregate on` writes vllm-prefill.log and
 vllm-decode.log). The doctor says it beside the root cause, so a reader knows which pool to fix.

@@ -30,7 +30,7 @@ from ..deployment.codec import dump, load
 from ..deployment.plan import Autoscaling, Deployment
 from ..errors import InputError
 from ..paths import atomic_write, loads_json, read_small_text, warn_if_foreign, warn_if_open_folder
-from ..predict.startup import NETWORK_VOLUME_BYTES_PER_S
+from ..predict.capacity.startup_time import NETWORK_VOLUME_BYTES_PER_S
 
 PLAN_FILE = "plan.json"
 ARGS_FILE = "vllm-args"
@@ -115,7 +115,7 @@ def load_plan(path: str | os.PathLike[str]) -> Deployment:
 
 
 STARTUP_SECONDS_BASE = 300
-STARTUP_BYTES_PER_SECOND = NETWORK_VOLUME_BYTES_PER_S  # predict/startup.py: one number
+STARTUP_BYTES_PER_SECOND = NETWORK_VOLUME_BYTES_PER_S  # capacity/startup_time.py: one number
 """Start-up deadline: 5 minutes plus the weights at 200 MiB/s (a slow network volume); a
 DeepSeek-V3 FP8 load is given about an hour. A hang past it is a failure, not a wait."""
 

@@ -76,7 +76,7 @@ def relabel_pins(dep: Deployment) -> Callable[[Any], Any]:
 def goals_from_plan(dep: Deployment) -> dict[str, Any] | None:
     """The workload, SLO and objective an emitted plan was made for, so exec re-plans for them."""
     from ..inputs.workload import SLO, Workload
-    from ..predict.autoscaling import ask_from_plan
+    from ..predict.capacity.autoscaling import ask_from_plan
 
     if dep.workload is None or dep.slo is None or dep.performance is None:
         return None

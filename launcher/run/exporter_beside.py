@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..deployment.plan import Deployment
-from ..predict.budget import GiB
+from ..predict.memory.budget import GiB
 from .emit import startup_deadline_s
 
 

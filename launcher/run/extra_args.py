@@ -11,7 +11,7 @@ import dataclasses
 
 from ..errors import InputError
 from ..inputs import vllm_flags as F
-from ..predict.planner import Pins
+from ..predict.search.planner import Pins
 from .vllmargs import drop_flag
 
 PARALLEL_FLAGS = (("tp", "tensor_parallel_size"), ("pp", "pipeline_parallel_size"),

@@ -29,10 +29,10 @@ from pathlib import Path
 from ..errors import InputError
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
-from ..predict import connectors
-from ..predict.disagg import pool_hardware
-from ..predict.planner import Pins, Plan, make_plan
-from ..predict.pools import refuse_unsplittable
+from ..predict.features import connectors
+from ..predict.search.pd_pools import refuse_unsplittable
+from ..predict.search.planner import Pins, Plan, make_plan
+from ..predict.speed.disagg import pool_hardware
 from ..redact import redact_args
 from ..term import command as command_lines
 from ..term import width

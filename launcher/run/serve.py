@@ -41,10 +41,10 @@ from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.vllm_failures import classify
 from ..observe.doctor import explain_log
-from ..predict.budget import GiB
-from ..predict.capabilities import lesson_key, record_lesson
-from ..predict.planner import Pins, Plan, make_plan
-from ..predict.replan import merge_args, replan_pins
+from ..predict.features.capabilities import lesson_key, record_lesson
+from ..predict.memory.budget import GiB
+from ..predict.search.after_failure import merge_args, replan_pins
+from ..predict.search.planner import Pins, Plan, make_plan
 from ..redact import command_line_warning, redact_args, redact_env
 from ..render import plan_text
 from ..term import bar, fit, width
@@ -632,7 +632,7 @@ def run_node(launch: Any, d: Deployment, *, port: int | None, metrics_port: int 
 
 def learn_measured_kv(d: Deployment, alloc: vllmlog.Allocation) -> str | None:
     """Record what vLLM measured (its startup-plan files) as ground truth for the next plan."""
-    from ..predict import measured
+    from ..predict.memory import measured_kv as measured
 
     if d.pool.kv_cache.pinned:
         return None

@@ -1,9 +1,9 @@
 """Record how long a vLLM start-up took, phase by phase, for the next plans of the setup.
 
-Why: the plan's start-up is a prediction (predict/startup.py) that sets the autoscaler's
+Why: the plan's start-up is a prediction (capacity/startup_time.py) that sets the autoscaler's
 stabilization windows; the runner times each log phase vLLM announces (vllmlog.PHASES) as it
 comes, and once the API answers, `serve` and `tune` keep the whole time and each phase's share
-(predict/startup_measured.py). A later plan of the same model, GPUs, layout, graphs, version
+(capacity/startup_measured.py). A later plan of the same model, GPUs, layout, graphs, version
 and load path uses the measurement instead of the model.
 """
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..deployment.plan import Deployment
-from ..predict import startup, startup_measured
+from ..predict.capacity import startup_measured
+from ..predict.capacity import startup_time as startup
 
 
 def learn_startup(runner: Any, d: Deployment, load_path: str | None) -> str | None:

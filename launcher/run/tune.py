@@ -59,8 +59,8 @@ from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.prompts import PromptSet, builtin_prompts
 from ..inputs.workload import SLO, Workload
-from ..predict.planner import Pins
-from ..predict.planshape import shape_from_plan
+from ..predict.search.engine_from_plan import shape_from_plan
+from ..predict.search.planner import Pins
 from ..redact import SECRET_FLAGS, redact_args, redact_text, secret_flags
 from ..term import bar, status
 from . import tune_acceptance
@@ -566,10 +566,10 @@ class Tuner:
             raise BudgetExhausted()
 
     def _calibrate(self, t: TrialSpec, rec: dict[str, Any]) -> None:
-        """Teach the performance model what was measured (launcher.predict.calibration)."""
+        """Teach the performance model what was measured (launcher.predict.speed.calibration)."""
         if not self.opts.calibrate or not rec["results"]:
             return
-        from ..predict import calibration
+        from ..predict.speed import calibration
 
         points = [{k: p[k] for k in ("concurrency", "input_len", "output_len",
                                      "output_tokens_per_s", "tpot_ms", "ttft_ms")}

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..inputs.prompts import PromptSet, to_jsonl
 from ..paths import atomic_write
-from ..predict.speculative import measured_acceptance
+from ..predict.features.speculative import measured_acceptance
 from .loadgen import LoadSpec
 from .vllmargs import arg_value
 

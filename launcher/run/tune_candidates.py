@@ -26,7 +26,7 @@ from ..inputs import vllm_flags as F
 from ..inputs.hardware import Hardware
 from ..inputs.model import ModelSpec
 from ..inputs.workload import SLO, Workload
-from ..predict.planner import Pins, make_plan
+from ..predict.search.planner import Pins, make_plan
 from .serve import merge_args
 from .vllmargs import arg_value
 
@@ -128,7 +128,7 @@ def knob_variants(spec: ModelSpec, hw: Hardware, pins: Pins, base: Deployment,
     Knobs the user pinned stay pinned. fp8 KV is tried only where the planner's capability
     table says it works; enforce-eager only on GPUs (the CPU engine has no graphs to skip).
     """
-    from ..predict.capabilities import fp8_kv_support
+    from ..predict.features.capabilities import fp8_kv_support
 
     seqs0, tokens0 = base.engine.max_num_seqs, base.engine.max_num_batched_tokens
     seqs = [pins.max_num_seqs] if pins.max_num_seqs else sorted(
@@ -149,7 +149,7 @@ def mtp_variants(spec: ModelSpec, hw: Hardware, pins: Pins,
                  base: Deployment) -> list[dict[str, Any]]:
     """MTP as a knob: off and each num_speculative_tokens of profiles/serving.yaml where the
     model has an MTP layer and the version and platform load it; a pin stays pinned."""
-    from ..predict import speculative
+    from ..predict.features import speculative
 
     if pins.speculative is not None or pins.num_speculative_tokens:
         return [{}]
@@ -160,7 +160,7 @@ def mtp_variants(spec: ModelSpec, hw: Hardware, pins: Pins,
 
 
 def _layout_pins(spec: ModelSpec, hw: Hardware, pins: Pins) -> list[dict[str, Any]]:
-    from ..predict.planner import layouts
+    from ..predict.search.planner import layouts
 
     if hw.is_cpu or pins.tp or pins.dp or pins.pp:
         return [{}]
@@ -225,7 +225,7 @@ def defaults_plan(spec: ModelSpec, hw: Hardware, pins: Pins, base: Deployment,
     """The plan of vLLM's defaults on the planner's layout: the scheduler limits `vllm serve`
     would pick (capabilities.batch_defaults), auto KV, no eager mode. Its dict is what the
     baseline's plan.json and calibration describe, so they match what was measured."""
-    from ..predict.capabilities import batch_defaults
+    from ..predict.features.capabilities import batch_defaults
 
     p = base.engine.parallel
     tokens, seqs = batch_defaults(hw, p.tp * p.pp)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from ..inputs.prompts import PromptSet
 from ..inputs.workload import SLO, Workload
-from ..predict.speculative import measured_acceptance, record_acceptance
+from ..predict.features.speculative import measured_acceptance, record_acceptance
 from . import tune_acceptance
 from .loadgen import LoadgenError, LoadSpec
 from .runner import VllmRunner

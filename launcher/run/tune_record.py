@@ -57,7 +57,7 @@ class TuneRecord:
                 self.previous[(-1, t.get("key", ""))] = t  # never started again, any rung
 
     def new(self, baseline: TrialSpec, notes: list[str], o: Any) -> None:
-        from ..predict.capabilities import installed_vllm
+        from ..predict.features.capabilities import installed_vllm
 
         self.doc = {
             "schema": SCHEMA, "vlaunch_version": __version__,

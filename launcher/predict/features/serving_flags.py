@@ -1,0 +1,174 @@
+"""The flags that make a DeepSeek endpoint usable by clients: reasoning and tool-call parsers.
+
+Without `--reasoning-parser` an R1 answer arrives with its whole `<think>` block in `content`;
+without `--tool-call-parser` and `--enable-auto-tool-choice` a V3.1/V3.2 tool call arrives as
+raw DSML text and OpenAI clients never see `tool_calls`. Which parser a checkpoint needs, the
+chat template or tokenizer mode it needs for tools, and the first vLLM release that has each
+are data in `profiles/serving.yaml` (`parsers`, `parser_versions`); this module matches the
+model to a row, applies your overrides (`--reasoning-parser`, `--tool-call-parser`,
+`--chat-template`, `none` to drop one) and drops what the planned vLLM version lacks, with the
+reason. The flag names are vLLM 0.32.0's (`vllm/entrypoints/openai/cli_args.py`
+`FrontendArgs`: reasoning_parser, tool_call_parser, enable_auto_tool_choice, chat_template;
+`vllm/engine/arg_utils.py` EngineArgs.tokenizer_mode), and the parser names those registered in
+`vllm/reasoning/__init__.py` and `vllm/tool_parsers/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import InputError
+from ...inputs import vllm_flags
+from ...inputs.model import ModelSpec
+from ...paths import profiles_dir, read_yaml
+from .capabilities import parse_version
+
+NONE = "none"
+"""An override value that drops a parser the profile would set."""
+
+
+@functools.lru_cache(maxsize=1)
+def table() -> dict[str, Any]:
+    """profiles/serving.yaml, shared by speculative.py and ep_backend.py."""
+    return read_yaml(profiles_dir() / "serving.yaml")
+
+
+def at_least(version: str, since: str | None) -> bool:
+    return since is None or parse_version(version) >= parse_version(str(since))
+
+
+def _names(spec: ModelSpec) -> list[str]:
+    tail = (spec.hf_id or "").rstrip("/").rsplit("/", 1)[-1]
+    return [n.lower() for n in (spec.name, tail) if n]
+
+
+def profile_row(spec: ModelSpec) -> dict[str, Any] | None:
+    """The first `parsers` row whose globs match the profile name or the HF id's last part."""
+    names = _names(spec)
+    for row in table().get("parsers", ()):
+        if any(fnmatch.fnmatch(n, pat.lower()) for pat in row["match"] for n in names):
+            return row
+    return None
+
+
+@dataclass
+class ServingFlags:
+    """What the plan passes to the API server for clients, and why."""
+
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    auto_tool_choice: bool = False
+    chat_template: str | None = None
+    tokenizer_mode: str | None = None
+    enable_reasoning_flag: bool = False  # vLLM 0.7.1-0.8.x needed --enable-reasoning too
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    source: str = "none"  # profile | pinned | none
+
+    def vllm_args(self) -> list[str]:
+        reasoning, tools = bool(self.reasoning_parser), bool(self.tool_call_parser)
+        return vllm_flags.argv((
+            ("enable_reasoning", reasoning and self.enable_reasoning_flag),
+            ("reasoning_parser", self.reasoning_parser or None),
+            ("tool_call_parser", self.tool_call_parser or None),
+            ("enable_auto_tool_choice", tools and self.auto_tool_choice),
+            ("chat_template", self.chat_template or None),
+            ("tokenizer_mode", self.tokenizer_mode or None),
+        ))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reasoning_parser": self.reasoning_parser,
+                "tool_call_parser": self.tool_call_parser,
+                "enable_auto_tool_choice": self.auto_tool_choice,
+                "chat_template": self.chat_template, "tokenizer_mode": self.tokenizer_mode,
+                "source": self.source, "reasons": list(self.reasons)}
+
+
+def _gate(kind: str, name: str, version: str) -> tuple[bool, str]:
+    """(available in `version`, why not) for a parser or tokenizer mode name."""
+    row = (table().get("parser_versions", {}).get(kind) or {}).get(name)
+    if row is None:
+        return True, ""  # a name the table does not know (your own): vLLM checks it
+    if at_least(version, row.get("since")):
+        return True, ""
+    return False, (f"vLLM {version} has no {kind.replace('_', ' ')} '{name}' (since "
+                   f"{row['since']}: {row.get('source', '')})")
+
+
+def _override(value: str | None, pinned: str | None) -> tuple[str | None, bool]:
+    if pinned is None:
+        return value, False
+    return (None if pinned.lower() == NONE else pinned), True
+
+
+def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
+           tool_call_parser: str | None = None, chat_template: str | None = None
+           ) -> ServingFlags:
+    """The parsers, tool choice, chat template and tokenizer mode for `spec` on `version`.
+
+    A pinned value wins over the profile (`none` drops it); anything the version lacks is left
+    out with the reason, so a plan never passes vLLM a flag value it rejects at start-up.
+    """
+    for flag, value in ((vllm_flags.flag("reasoning_parser"), reasoning_parser),
+                        (vllm_flags.flag("tool_call_parser"), tool_call_parser),
+                        (vllm_flags.flag("chat_template"), chat_template)):
+        if value is not None and not value.strip():
+            raise InputError(f"{flag} needs a value (a name, or '{NONE}' to leave it out)")
+    row = profile_row(spec) or {}
+    out = ServingFlags(source="profile" if row else "none")
+    why = row.get("why", "")
+    reasoning, r_pinned = _override(row.get("reasoning_parser"), reasoning_parser)
+    template, t_pinned = _override(None, chat_template)
+    tools_mode = row.get("tools", "none")
+    tool = row.get("tool_call_parser") if tools_mode == "auto" or (
+        tools_mode == "with_template" and template) else None
+    tool, tool_pinned = _override(tool, tool_call_parser)
+    mode = row.get("tokenizer_mode")
+    if r_pinned or tool_pinned or t_pinned:
+        out.source = "pinned"
+    if reasoning:
+        ok, lack = _gate("reasoning_parser", reasoning, version)
+        if ok:
+            out.reasoning_parser = reasoning
+            erow = table().get("enable_reasoning_flag") or {}
+            out.enable_reasoning_flag = (at_least(version, erow.get("since"))
+                                         and not at_least(version, erow.get("until")))
+            out.reasons.append(f"reasoning-parser {reasoning}: "
+                               + ("pinned by you" if r_pinned else why)
+                               + "; clients get the thinking in reasoning_content"
+                               + (" (with --enable-reasoning, which this vLLM still needs)"
+                                  if out.enable_reasoning_flag else ""))
+        else:
+            out.warnings.append(f"no --reasoning-parser: {lack}; the reasoning stays inside "
+                                "the answer text")
+    if tool:
+        ok, lack = _gate("tool_call_parser", tool, version)
+        if ok:
+            out.tool_call_parser, out.auto_tool_choice = tool, True
+            out.reasons.append(f"tool-call-parser {tool} with --enable-auto-tool-choice: "
+                               + ("pinned by you" if tool_pinned else why)
+                               + "; tool calls arrive as OpenAI tool_calls")
+        else:
+            out.warnings.append(f"no --tool-call-parser: {lack}; tool calls would arrive as text")
+    elif tools_mode == "with_template" and not tool_pinned:
+        out.reasons.append(
+            f"no tool-call parser: {spec.name}'s tool calls need vLLM's tool chat template "
+            f"({row.get('template')} in the vLLM repository, not shipped in its wheel); pass "
+            f"--chat-template PATH to that file to get --tool-call-parser "
+            f"{row.get('tool_call_parser')} --enable-auto-tool-choice")
+    if template:
+        out.chat_template = template
+        out.reasons.append(f"chat-template {template}: pinned by you")
+    if mode and (tool or reasoning):
+        ok, lack = _gate("tokenizer_mode", mode, version)
+        if ok:
+            out.tokenizer_mode = mode
+            out.reasons.append(f"tokenizer-mode {mode}: the checkpoint has no Jinja chat "
+                               "template; vLLM's encoder for it renders the chat, thinking "
+                               "and tools")
+        else:
+            out.warnings.append(f"no --tokenizer-mode {mode}: {lack}")
+    return out

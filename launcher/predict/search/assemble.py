@@ -1,0 +1,129 @@
+"""The planner's decisions as the typed Deployment every command reads (deployment/plan.py).
+
+`make_plan` works on mutable candidates while it searches; once it has chosen, this builds the
+frozen Deployment of one `aggregated` pool from the chosen candidate, its assessment and its
+serving decisions. The sub-decisions that already have one serialisation of their own (the
+performance figures, MTP/parsers/all-to-all, a runner-up) are read through the codec's typed
+reader, so their figures are computed once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...deployment import plan as D
+from ...deployment.codec import build
+from ..memory import budget as B
+
+
+def _model(m: Any) -> D.ModelRef:
+    return D.ModelRef(name=m.name, hf_id=m.hf_id, architecture=m.architecture,
+                      params=B.param_count(m),
+                      weights_bytes=round(B.weights_bytes(m) * B.checkpoint_scale(m)),
+                      quantization=m.quant.method, path=m.path, max_context=m.max_context,
+                      attention=m.attention, **m.provenance())
+
+
+def _hardware(hw: Any) -> D.HardwareRef:
+    return D.HardwareRef(name=hw.kind.name, nodes=hw.nodes, gpus_per_node=hw.gpus_per_node,
+                         total_bytes=hw.total_bytes, free_bytes=hw.free_bytes, source=hw.source,
+                         compute_capability=hw.kind.compute_capability,
+                         platform=hw.kind.platform)
+
+
+def _parallel(L: Any) -> D.Parallel:
+    return D.Parallel(L.tp, L.pp, L.dp, L.expert_parallel, L.nodes)
+
+
+def _engine(plan: Any) -> D.EngineConfig:
+    c, m, s = plan.chosen, plan.model, plan.serving
+    spec = par = ep = None
+    if s is not None:
+        if s.mtp.enabled:
+            spec = D.SpeculativeConfig(s.mtp.method, s.mtp.k)
+        par = s.parsers
+        if s.ep.vllm_args():
+            ep = s.ep.backend
+    return D.EngineConfig(
+        model=m.path or m.hf_id, parallel=_parallel(c.layout), max_model_len=c.max_model_len,
+        kv_cache_dtype=c.kv_dtype, gpu_memory_utilization=round(c.utilization, 4),
+        max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+        platform=plan.hardware.kind.platform,
+        served_model_name=m.name if m.path else None,
+        revision=m.revision if not m.path and m.revision else None,
+        kv_cache_memory_bytes=c.kv_memory if plan.kv_pinned else None,
+        enable_chunked_prefill=plan.chunked_prefill, enforce_eager=plan.enforce_eager,
+        speculative_config=spec, all2all_backend=ep,
+        enable_reasoning=bool(par and par.reasoning_parser and par.enable_reasoning_flag),
+        reasoning_parser=par.reasoning_parser if par else None,
+        tool_call_parser=par.tool_call_parser if par else None,
+        enable_auto_tool_choice=bool(par and par.tool_call_parser and par.auto_tool_choice),
+        chat_template=par.chat_template if par else None,
+        tokenizer_mode=par.tokenizer_mode if par else None)
+
+
+def _kv(plan: Any) -> D.KVCache:
+    c = plan.chosen
+    return D.KVCache(dtype=c.kv_dtype, bytes_per_token=c.kv_bytes_per_token,
+                     block_size=c.block_size, memory_bytes=c.kv_memory, tokens=c.tokens,
+                     blocks=c.blocks, pinned=plan.kv_pinned,
+                     layer_kinds=dict(c.cache.get("kinds", {})), groups=c.cache.get("groups", 1),
+                     blocks_per_request=c.cache.get("blocks_per_request"),
+                     bytes_per_block=c.cache.get("block_bytes"))
+
+
+def _per_gpu(c: Any) -> D.PerGpuBudget:
+    return D.PerGpuBudget(requested_bytes=c.requested, weights_bytes=c.weights,
+                          activation_bytes=c.activation, cudagraph_bytes=c.cudagraph,
+                          non_torch_bytes=c.non_torch, kv_cache_bytes=c.kv_memory)
+
+
+def _performance(plan: Any, a: Any) -> D.Performance | None:
+    from ..speed.speed_decisions import performance_dict
+
+    if a is None or plan.workload is None or plan.slo is None:
+        return None
+    d = performance_dict(a, plan.objective, plan.workload, plan.slo)
+    d["asked_concurrency"] = plan.concurrency
+    return build(D.Performance, d, "performance")
+
+
+def _alternative(plan: Any, c: Any) -> D.Alternative:
+    L = c.layout
+    a = plan.assessments.get(id(c))
+    return D.Alternative(
+        label=c.label(), parallel=_parallel(L), kv_cache=D.KVTokens(c.kv_dtype, c.tokens),
+        max_concurrency=round(c.concurrency, 2), fits=c.fits,
+        num_speculative_tokens=plan.drafts.get(id(c), 0), max_num_seqs=c.max_num_seqs,
+        max_num_batched_tokens=c.max_num_batched_tokens,
+        performance=_performance(plan, a) if a else None, summary=c.summary(),
+        why_not=c.problem if not c.fits else plan.why_not.get(id(c), ""))
+
+
+def deployment(plan: Any) -> D.Deployment:
+    """The planner's `Plan` as the frozen Deployment of one aggregated pool."""
+    c, hw = plan.chosen, plan.hardware
+    perf = _performance(plan, plan.performance)
+    serving = (build(D.Serving, plan.serving.to_dict(), "serving")
+               if plan.serving is not None else None)
+    stages = tuple(D.Stage(s["layers"], s["weights_bytes"], s["kv_cache_bytes"])
+                   for s in c.stages) if c.layout.pp > 1 else ()
+    pool = D.Pool(role="aggregated", replicas=1, gpus_per_replica=hw.count,
+                  nodes_per_replica=hw.nodes, engine=_engine(plan), env=plan.env(),
+                  kv_cache=_kv(plan), per_gpu=_per_gpu(c),
+                  max_concurrency=round(c.concurrency, 2), performance=perf, serving=serving,
+                  per_stage=stages,
+                  autoscaling=(build(D.Autoscaling, plan.autoscaling.to_dict(), "autoscaling")
+                               if plan.autoscaling else None),
+                  startup=build(D.Startup, plan.startup.to_dict(), "startup")
+                  if plan.startup else None)
+    w, slo = plan.workload, plan.slo
+    return D.Deployment(
+        fits=plan.fits, model=_model(plan.model), hardware=_hardware(hw),
+        vllm_version=plan.vllm_version, objective=plan.objective,
+        workload=D.Workload(w.input_len, w.output_len, w.name, w.assumed) if w else None,
+        slo=D.SLO(slo.ttft_ms, slo.tpot_ms) if slo else None, kind="aggregated",
+        pools=(pool,), performance=perf, candidates=D.SearchCounts(plan.judged, plan.timed),
+        problem=c.problem or None, reasons=tuple(plan.reasons),
+        warnings=tuple(plan.warnings), suggestions=tuple(plan.suggestions),
+        runners_up=tuple(_alternative(plan, a) for a in plan.alternatives))

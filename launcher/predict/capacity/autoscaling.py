@@ -26,9 +26,10 @@ new one takes to start, so each threshold is a figure of the plan:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from ...deployment.plan import Autoscaling
 from ...errors import InputError
 from .startup_time import Startup
 
@@ -99,36 +100,6 @@ class Knee:
         return self.requests_per_s * input_len
 
 
-@dataclass(frozen=True)
-class Autoscaling:
-    """A pool's autoscaling, as the plan carries it (`pools[i].autoscaling`)."""
-
-    target_running_per_replica: int
-    target_waiting_per_replica: int
-    kv_usage_threshold: float
-    prefill_backlog_s: float | None
-    min_replicas: int
-    max_replicas: int
-    scale_up_stabilization_s: int
-    scale_down_stabilization_s: int
-    startup_s: float
-    role: str = "aggregated"
-    basis: dict[str, Any] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"role": self.role,
-                "target_running_per_replica": self.target_running_per_replica,
-                "target_waiting_per_replica": self.target_waiting_per_replica,
-                "kv_usage_threshold": self.kv_usage_threshold,
-                "prefill_backlog_s": self.prefill_backlog_s,
-                "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                "scale_up_stabilization_s": self.scale_up_stabilization_s,
-                "scale_down_stabilization_s": self.scale_down_stabilization_s,
-                "startup_s": round(self.startup_s, 1), "basis": dict(self.basis),
-                "notes": list(self.notes)}
-
-
 def bounds(ask: ScalingAsk, knee: Knee) -> tuple[int, int, str]:
     """(min, max, why) of the pool's replicas."""
     ask.validate()
@@ -160,7 +131,8 @@ def bounds(ask: ScalingAsk, knee: Knee) -> tuple[int, int, str]:
 def derive(knee: Knee, *, ttft_slo_ms: float, single_ttft_ms: float, dp: int,
            kv_tokens_per_engine: int, block_size: int, input_len: int, output_len: int,
            startup: Startup, ask: ScalingAsk, role: str = "aggregated") -> Autoscaling:
-    """The pool's targets from one replica's knee, the SLO and its start-up."""
+    """The pool's targets from one replica's knee, the SLO and its start-up, as the plan's own
+    `deployment.plan.Autoscaling` (one declaration of the shape; start-up at 0.1 s, as printed)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
     lo, hi, why = bounds(ask, knee)
@@ -188,8 +160,12 @@ def derive(knee: Knee, *, ttft_slo_ms: float, single_ttft_ms: float, dp: int,
              "open_loop_requests_per_s": round(knee.open_loop_requests_per_s, 3),
              "kv_tokens_per_engine": kv_tokens_per_engine, "tokens_held_per_request": held,
              "startup_source": startup.source}
-    return Autoscaling(running, waiting, math.ceil(kv * 100) / 100, backlog, lo, hi, up, down,
-                       startup.seconds, role, basis, tuple(notes))
+    return Autoscaling(role=role, target_running_per_replica=running,
+                       target_waiting_per_replica=waiting,
+                       kv_usage_threshold=math.ceil(kv * 100) / 100, prefill_backlog_s=backlog,
+                       min_replicas=lo, max_replicas=hi, scale_up_stabilization_s=up,
+                       scale_down_stabilization_s=down, startup_s=round(startup.seconds, 1),
+                       basis=basis, notes=tuple(notes))
 
 
 def ask_from_plan(dep: Any) -> dict[str, Any]:

@@ -113,8 +113,7 @@ def deployment(plan: Any) -> D.Deployment:
                   kv_cache=_kv(plan), per_gpu=_per_gpu(c),
                   max_concurrency=round(c.concurrency, 2), performance=perf, serving=serving,
                   per_stage=stages,
-                  autoscaling=(build(D.Autoscaling, plan.autoscaling.to_dict(), "autoscaling")
-                               if plan.autoscaling else None),
+                  autoscaling=plan.autoscaling,
                   startup=build(D.Startup, plan.startup.to_dict(), "startup")
                   if plan.startup else None)
     w, slo = plan.workload, plan.slo

@@ -39,20 +39,21 @@ def _choose(gpus, layout, objective="balanced", workload=CHAT, version="0.32.0",
 
 def test_no_all_to_all_without_data_parallel():
     c = _choose("8xH200", B.Layout(tp=8, expert_parallel=True))
-    assert not c.applies and c.vllm_args() == [] and "data parallel" in c.reason
+    assert not c.applies and EP.vllm_args(c) == [] and "data parallel" in c.reason.text
+    assert c.reason.code == "all2all.inside_tp"
 
 
 def test_inside_one_node_the_default_collectives(with_deepep):
     c = _choose("8xH200", B.Layout(dp=8, expert_parallel=True))
-    assert c.backend == "allgather_reducescatter" == c.default
-    assert c.vllm_args() == [] and c.env() == {} and c.buffer_bytes == 0
+    assert c.backend == "allgather_reducescatter" == c.vllm_default
+    assert EP.vllm_args(c) == [] and EP.env(c) == {} and c.buffer_bytes_per_gpu == 0
 
 
 def test_across_nodes_deepep_by_objective(with_deepep):
     L = B.Layout(dp=16, expert_parallel=True, nodes=2)
     ll = _choose("2x8xH200", L, "latency")
     assert ll.backend == "deepep_low_latency" and ll.cross_node and ll.cuda_graphs
-    assert ll.vllm_args() == ["--all2all-backend", "deepep_low_latency"]
+    assert EP.vllm_args(ll) == ["--all2all-backend", "deepep_low_latency"]
     ht = _choose("2x8xH200", L, "throughput", RAG)
     assert ht.backend == "deepep_high_throughput" and not ht.cuda_graphs
     # decode-heavy throughput work still gets the low-latency kernels
@@ -73,8 +74,11 @@ def test_deepep_buffers():
 
 def test_missing_package_keeps_the_default_and_says_so(without_deepep):
     c = _choose("2x8xH200", B.Layout(dp=16, expert_parallel=True, nodes=2), "latency")
-    assert c.backend == "allgather_reducescatter" and c.vllm_args() == []
-    assert "lacks deep_ep" in c.reason and "deepep_low_latency would suit" in c.reason
+    assert c.backend == "allgather_reducescatter" and EP.vllm_args(c) == []
+    assert "lacks deep_ep" in c.reason.text and "deepep_low_latency would suit" in c.reason.text
+    assert c.reason.code == "all2all.missing_packages"
+    assert c.reason.data["missing_packages"] == ["deep_ep"]
+    assert c.reason.data["wanted"] == "deepep_low_latency"
 
 
 def test_pinned_backend_the_image_lacks_is_not_a_start(without_deepep):
@@ -88,7 +92,8 @@ def test_pinned_backend_the_image_lacks_is_not_a_start(without_deepep):
 def test_flag_or_env_by_version(with_deepep):
     L = B.Layout(dp=16, expert_parallel=True, nodes=2)
     old = _choose("2x8xH200", L, "latency", version="0.10.2")
-    assert old.vllm_args() == [] and old.env() == {"VLLM_ALL2ALL_BACKEND": "deepep_low_latency"}
+    assert EP.vllm_args(old) == [] and EP.env(old) == {"VLLM_ALL2ALL_BACKEND":
+                                                       "deepep_low_latency"}
     assert _choose("2x8xH200", L, version="0.8.5").applies is False
     with pytest.raises(InputError):
         _choose("2x8xH200", L, version="0.32.0", pinned="pplx")  # removed in 0.16

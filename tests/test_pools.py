@@ -460,7 +460,7 @@ def test_each_pool_gets_deepeps_kernel_for_its_role(monkeypatch):
     wide = Pins(tp=8, dp=2, expert_parallel=True, vllm_version=VERSION)
     for objective, w in (("throughput", Workload(8192, 256)), ("balanced", Workload(1024, 1024))):
         p = make_plan(spec, hw, wide, suggest=False, workload=w, objective=objective)
-        got = p.serving.ep.backend
+        got = p.serving.ep_backend.backend
         assert got in pools.ROLE_ALL2ALL.values()
         for role, want in pools.ROLE_ALL2ALL.items():
             assert pools.role_all2all(p, role, wide) == (None if got == want else want)
@@ -469,7 +469,7 @@ def test_each_pool_gets_deepeps_kernel_for_its_role(monkeypatch):
             if got != want:
                 again = make_plan(spec, hw, dataclasses.replace(wide, all2all_backend=want),
                                   suggest=False, workload=w, objective=objective)
-                assert again.serving.ep.backend == want
+                assert again.serving.ep_backend.backend == want
 
 
 def test_a_plan_over_nodes_prints_its_pools_and_the_doctor_takes_it(tmp_path):

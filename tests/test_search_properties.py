@@ -52,7 +52,7 @@ def _objective(plan, objective):
     """The unpinned plan's objective applied to any plan: (context up to the target, figure
     with the margins a planner-chosen fp8 KV or MTP draft must beat)."""
     c = plan.chosen
-    draft = plan.serving.mtp.k if plan.serving.mtp.enabled else 0
+    draft = plan.serving.speculative.num_speculative_tokens
     score = rank.objective_score(plan.performance, objective, plan.hardware.count,
                                  c.kv_dtype, draft)
     return rank.context_rank(c.max_model_len, plan.model.max_context), score
@@ -169,7 +169,7 @@ def test_deepseek_8xh200_decisions_hold_for_the_right_reason(mtp):
     spec, hw = load_model("deepseek-r1"), parse_gpus("8xH200")
     for objective, other in (("throughput", Pins(tp=8, dp=1)), ("latency", Pins(tp=1, dp=8))):
         plan = make_plan(spec, hw, Pins(speculative=mtp), objective=objective)
-        assert plan.serving.mtp.enabled is mtp
+        assert plan.serving.speculative.enabled is mtp
         alt = make_plan(spec, hw, dataclasses.replace(other, speculative=mtp),
                         objective=objective)
         if alt.chosen.layout != plan.chosen.layout:

@@ -36,7 +36,9 @@ def test_v32_gets_parsers_auto_tool_choice_and_its_tokenizer_mode():
 def test_tools_that_need_vllms_template_wait_for_it():
     f = F.decide(load_model("deepseek-v3.1"), "0.32.0")
     assert f.vllm_args() == ["--reasoning-parser", "deepseek_v3"]
-    assert any("tool_chat_template_deepseekv31.jinja" in r for r in f.reasons)
+    (r,) = [r for r in f.parsers.reasons if r.code == "parsers.tools_need_template"]
+    assert "tool_chat_template_deepseekv31.jinja" in r.text
+    assert r.data["template"].endswith("tool_chat_template_deepseekv31.jinja")
     with_t = _args("deepseek-v3.1", chat_template="/t/v31.jinja")
     assert with_t == ["--reasoning-parser", "deepseek_v3", "--tool-call-parser", "deepseek_v31",
                       "--enable-auto-tool-choice", "--chat-template", "/t/v31.jinja"]
@@ -63,13 +65,13 @@ def test_reasoning_parser_version_gate(version, expect):
     f = F.decide(load_model("deepseek-r1"), version)
     assert f.vllm_args() == expect
     if not expect:
-        assert any("since 0.7.1" in w for w in f.warnings)
+        assert any("since 0.7.1" in w.text and w.data["since"] == "0.7.1" for w in f.warnings)
 
 
 def test_v32_on_an_old_version_gets_nothing_it_lacks():
     f = F.decide(load_model("deepseek-v3.2"), "0.10.2")
     assert f.vllm_args() == []
-    text = " ".join(f.warnings)
+    text = " ".join(w.text for w in f.warnings)
     assert "deepseek_v3" in text and "deepseek_v32" in text
 
 

@@ -196,16 +196,21 @@ def test_mtp_is_on_exactly_when_its_best_beats_the_best_without_by_the_margin(ob
     s = auto.to_dict()["serving"]["speculative"]
     assert s["enabled"] == (gain >= rank.mtp_margin() - 1e-9)
     if not s["enabled"]:
-        assert s["reason"].startswith("MTP off") and "margin" in s["reason"]
+        r = s["reason"]
+        assert r["code"] == "mtp.off.gain" and r["data"]["gain"] < r["data"]["margin"]
+        assert r["text"].startswith("MTP off") and "margin" in r["text"]
 
 
 def test_a_pin_wins_both_ways():
     off = _plan("deepseek-r1", "8xH200", objective="latency", speculative=False).to_dict()
-    assert off["serving"]["speculative"]["reason"] == "MTP off: pinned by you (--no-mtp)"
+    assert off["serving"]["speculative"]["reason"] == {
+        "code": "mtp.off.pinned", "text": "MTP off: pinned by you (--no-mtp)",
+        "data": {"pinned": True}}
     on = _plan("deepseek-v3.2", "2x8xH200", dp=16, objective="throughput",
                workload=resolve_workload(8192, 256), num_speculative_tokens=2).to_dict()
     s = on["serving"]["speculative"]
-    assert s["enabled"] and s["num_speculative_tokens"] == 2 and "pinned by you" in s["reason"]
+    assert s["enabled"] and s["num_speculative_tokens"] == 2
+    assert "pinned by you" in s["reason"]["text"] and s["reason"]["data"]["pinned"]
     with pytest.raises(InputError):
         _plan("deepseek-r1", "8xH200", speculative=False, num_speculative_tokens=1)
     with pytest.raises(InputError):
@@ -229,7 +234,9 @@ def test_version_gate_and_method_name(version, expect):
                   Pins(vllm_version=version, num_speculative_tokens=1), suggest=False).to_dict()
     s = d["serving"]["speculative"]
     if expect is None:
-        assert not s["enabled"] and "since 0.9.0" in s["reason"]
+        assert not s["enabled"] and "since 0.9.0" in s["reason"]["text"]
+        assert s["reason"]["data"]["since"] == "0.9.0"
+        assert s["reason"]["data"]["cause"] == "mtp.unsupported.version"
         assert "--speculative-config" not in d["vllm_args"]
         assert any("MTP was asked for" in w["text"] for w in d["warnings"])
     else:
@@ -242,7 +249,9 @@ def test_models_without_an_mtp_layer_never_get_one():
     d = make_plan(load_model("deepseek-v2-lite"), parse_gpus("1xH200"),
                   Pins(num_speculative_tokens=1), suggest=False).to_dict()
     assert not d["serving"]["speculative"]["enabled"]
-    assert "num_nextn_predict_layers is 0" in d["serving"]["speculative"]["reason"]
+    r = d["serving"]["speculative"]["reason"]
+    assert "num_nextn_predict_layers is 0" in r["text"]
+    assert (r["code"], r["data"]["cause"]) == ("mtp.off.unsupported", "mtp.unsupported.no_layer")
 
 
 def test_exec_replans_the_same_mtp_decision():

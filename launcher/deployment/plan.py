@@ -232,7 +232,7 @@ class Speculative:
     acceptance: Acceptance | None
     tokens_per_step: float
     cost_per_gpu: Mapping[str, int] | None
-    reason: str
+    reason: Reason
     options: tuple[Mapping[str, Any], ...] = ()
     equal_load: Mapping[str, Any] | None = None
 
@@ -245,12 +245,18 @@ class Parsers:
     chat_template: str | None
     tokenizer_mode: str | None
     source: str
-    reasons: tuple[str, ...] = ()
+    reasons: tuple[Reason, ...] = ()
+
+
+Selector = Literal["flag", "env", "none"]
+"""How a vLLM release takes the all-to-all backend: `--all2all-backend`, VLLM_ALL2ALL_BACKEND,
+or not at all (profiles/serving.yaml `ep_backends.selector`)."""
 
 
 @dataclass(frozen=True)
 class EPBackend:
-    """The expert-parallel all-to-all backend decision."""
+    """The expert-parallel all-to-all backend decision (predict/features/ep_backend.py makes
+    it; `backend` is passed only when it differs from `vllm_default`, the `selector` way)."""
 
     applies: bool
     backend: str | None
@@ -262,8 +268,9 @@ class EPBackend:
     nvshmem: bool
     cuda_graphs: bool
     buffer_bytes_per_gpu: int
-    reason: str
+    reason: Reason | None
     kubernetes: Mapping[str, Any] | None = None
+    selector: Selector = "flag"
 
 
 @dataclass(frozen=True)

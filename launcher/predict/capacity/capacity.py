@@ -180,8 +180,9 @@ def evaluate_option(spec: ModelSpec, gpus: str, load: Load, workload: Workload, 
     opt.single_request = to_json(perf_t.single_request)
     opt.vllm_args = engine_argv(dep.engine)
     s = plan.serving
-    opt.serving = {"mtp": s.mtp.k if s.mtp.enabled else 0, "mtp_reason": s.mtp.reason,
-                   "all2all_backend": s.ep.backend if s.ep.applies else None}
+    mtp, ep = s.speculative, s.ep_backend
+    opt.serving = {"mtp": mtp.num_speculative_tokens, "mtp_reason": mtp.reason.text,
+                   "all2all_backend": ep.backend if ep.applies else None}
     k = perf_t.knee
     if k is None:
         one = perf_t.single_request

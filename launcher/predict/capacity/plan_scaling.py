@@ -24,7 +24,7 @@ def plan_startup(plan: Any, d: Any, load_path: str | None) -> startup.Startup:
     if found is not None:
         return found
     c, L = plan.chosen, plan.chosen.layout
-    spec = plan.serving.mtp.k if plan.serving is not None and plan.serving.mtp.enabled else 0
+    spec = plan.serving.speculative.num_speculative_tokens if plan.serving is not None else 0
     return startup.predict(c.weights, L.tp * L.pp * L.dp, m.num_layers, c.max_num_seqs, path,
                            enforce_eager=plan.enforce_eager, cpu=plan.hardware.is_cpu,
                            speculative_tokens=spec)

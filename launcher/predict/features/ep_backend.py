@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
+from ...deployment.plan import EPBackend, Reason
 from ...errors import InputError
 from ...inputs import vllm_flags
 from ...inputs.hardware import GiB, MiB
@@ -97,41 +98,27 @@ def buffer_bytes(backend: str, cross_node: bool, hidden: int, experts: int) -> i
     return 0
 
 
-@dataclass
-class Choice:
-    """The all-to-all decision of one plan."""
+NOT_APPLICABLE = EPBackend(applies=False, backend=None, vllm_default=None, pinned=False,
+                           cross_node=False, packages=(), missing_packages=(), nvshmem=False,
+                           cuda_graphs=True, buffer_bytes_per_gpu=0, reason=None)
+"""No all-to-all: a dense model, or experts reached inside the TP group."""
 
-    applies: bool = False
-    backend: str | None = None
-    default: str = ""
-    style: str = "flag"
-    pinned: bool = False
-    cross_node: bool = False
-    packages: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    nvshmem: bool = False
-    cuda_graphs: bool = True
-    buffer_bytes: int = 0
-    reason: str = ""
-    kubernetes: dict[str, Any] = field(default_factory=dict)
 
-    def vllm_args(self) -> list[str]:
-        if not self.applies or not self.backend or self.backend == self.default:
-            return []
-        return vllm_flags.argv({"all2all_backend": self.backend if self.style == "flag" else None})
+def passed(c: EPBackend) -> str | None:
+    """The backend the engine is given (None: vLLM's default holds, or none applies)."""
+    if not c.applies or not c.backend or c.backend == c.vllm_default:
+        return None
+    return c.backend
 
-    def env(self) -> dict[str, str]:
-        if not self.applies or not self.backend or self.backend == self.default:
-            return {}
-        return {ENV_VAR: self.backend} if self.style == "env" else {}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"applies": self.applies, "backend": self.backend, "vllm_default": self.default
-                or None, "pinned": self.pinned, "cross_node": self.cross_node,
-                "packages": self.packages, "missing_packages": self.missing,
-                "nvshmem": self.nvshmem, "cuda_graphs": self.cuda_graphs,
-                "buffer_bytes_per_gpu": self.buffer_bytes, "reason": self.reason,
-                "kubernetes": self.kubernetes or None}
+def vllm_args(c: EPBackend) -> list[str]:
+    b = passed(c)
+    return vllm_flags.argv({"all2all_backend": b if c.selector == "flag" else None})
+
+
+def env(c: EPBackend) -> dict[str, str]:
+    b = passed(c)
+    return {ENV_VAR: b} if b and c.selector == "env" else {}
 
 
 def _usable(name: str, version: str) -> tuple[bool, str]:
@@ -147,19 +134,22 @@ def _usable(name: str, version: str) -> tuple[bool, str]:
 
 
 def choose(spec: Any, hw: Any, layout: Any, objective: str, workload: Any, version: str,
-           pinned: str | None = None) -> Choice:
+           pinned: str | None = None) -> EPBackend:
     """The backend for this layout, objective and workload, or why none applies."""
     if not (spec.is_moe and layout.expert_parallel and layout.dp > 1):
-        return Choice(reason="" if not spec.is_moe else
-                      "no all-to-all backend: experts are reached inside the TP group "
-                      "(vLLM uses an all-to-all only with data parallel + expert parallel)")
+        return NOT_APPLICABLE if not spec.is_moe else replace(NOT_APPLICABLE, reason=Reason(
+            "all2all.inside_tp", "no all-to-all backend: experts are reached inside the TP "
+            "group (vLLM uses an all-to-all only with data parallel + expert parallel)",
+            {"tp": layout.tp, "dp": layout.dp, "expert_parallel": layout.expert_parallel}))
     t = ep_table()
     style = selector(version)
-    c = Choice(applies=True, default=default_backend(version), style=style,
-               pinned=pinned is not None, cross_node=layout.tp * layout.dp > hw.gpus_per_node)
+    default = default_backend(version)
+    c = replace(NOT_APPLICABLE, applies=True, vllm_default=default or None, selector=style,
+                pinned=pinned is not None, cross_node=layout.tp * layout.dp > hw.gpus_per_node)
     if style == "none":
-        c.applies, c.reason = False, f"vLLM {version} has no selectable all-to-all backend"
-        return c
+        return replace(c, applies=False, reason=Reason(
+            "all2all.unselectable", f"vLLM {version} has no selectable all-to-all backend",
+            {"vllm_version": version}))
     where = ("across nodes (the EP group spans " f"{layout.nodes} nodes)" if c.cross_node
              else "inside one node (NVLink)")
     ratio = workload.input_len / max(1, workload.output_len) if workload else 1.0
@@ -169,7 +159,7 @@ def choose(spec: Any, hw: Any, layout: Any, objective: str, workload: Any, versi
             raise InputError(f"--all2all-backend {pinned}: {why}")
         want, why_want = pinned, "pinned by you"
     elif not c.cross_node:
-        want, why_want = c.default, f"EP {where}: vLLM's default collectives ride NVLink"
+        want, why_want = default, f"EP {where}: vLLM's default collectives ride NVLink"
     elif objective == "throughput" and ratio >= float(t["prefill_heavy_ratio"]):
         want = "deepep_high_throughput"
         why_want = (f"EP {where}, objective throughput and a prefill-heavy workload "
@@ -177,47 +167,52 @@ def choose(spec: Any, hw: Any, layout: Any, objective: str, workload: Any, versi
     else:
         want = "deepep_low_latency"
         why_want = f"EP {where}, objective {objective}: decode steps dominate"
+    data: dict[str, Any] = {"backend": want, "pinned": c.pinned, "cross_node": c.cross_node,
+                            "nodes": layout.nodes, "objective": objective,
+                            "vllm_default": default}
     row = t["backends"][want]
     ok, why = _usable(want, version)
     if not ok:
-        c.backend = c.default
-        c.reason = (f"all2all-backend {c.default} (vLLM's default): {want} wanted ({why_want}) "
-                    f"but {why}")
-        return c
-    c.packages = list(row.get("packages") or [])
-    have = available_packages(c.packages)
-    c.missing = [p for p, ok in have.items() if not ok]
-    if c.missing:
-        c.backend = c.default
-        hint = (f"this image lacks {', '.join(c.missing)} (DeepEP built against NVSHMEM: "
+        return replace(c, backend=default, reason=Reason(
+            "all2all.unusable", f"all2all-backend {default} (vLLM's default): {want} wanted "
+            f"({why_want}) but {why}", {**data, "backend": default, "wanted": want,
+                                       "vllm_version": version}))
+    packages = tuple(row.get("packages") or ())
+    missing = tuple(p for p, ok in available_packages(list(packages)).items() if not ok)
+    if missing:
+        hint = (f"this image lacks {', '.join(missing)} (DeepEP built against NVSHMEM: "
                 "vLLM's tools/ep_kernels install script); set "
                 f"{IMAGE_PACKAGES_ENV} when planning for another image")
+        data.update(wanted=want, missing_packages=list(missing))
         if pinned:
-            c.backend = None
-            c.reason = f"all2all-backend {want} pinned, but {hint}: vLLM would fail to start"
-            return c
-        c.reason = (f"all2all-backend {c.default} (vLLM's default): {want} would suit "
-                    f"({why_want}) but {hint}")
-        c.packages = []
-        return c
-    c.backend = want
-    c.nvshmem = bool(row.get("nvshmem"))
-    c.cuda_graphs = bool(row.get("cuda_graphs", True))
-    c.buffer_bytes = buffer_bytes(want, c.cross_node, spec.hidden_size, spec.num_experts)
+            return replace(c, backend=None, packages=packages, missing_packages=missing,
+                           reason=Reason("all2all.pinned_missing_packages",
+                                         f"all2all-backend {want} pinned, but {hint}: vLLM "
+                                         "would fail to start", {**data, "backend": None}))
+        return replace(c, backend=default, missing_packages=missing, reason=Reason(
+            "all2all.missing_packages", f"all2all-backend {default} (vLLM's default): {want} "
+            f"would suit ({why_want}) but {hint}", {**data, "backend": default}))
+    c = replace(c, backend=want, packages=packages, nvshmem=bool(row.get("nvshmem")),
+                cuda_graphs=bool(row.get("cuda_graphs", True)),
+                buffer_bytes_per_gpu=buffer_bytes(want, c.cross_node, spec.hidden_size,
+                                                  spec.num_experts))
     extra = []
-    if c.buffer_bytes:
-        extra.append(f"{c.buffer_bytes / GiB:.2f} GiB of NVSHMEM buffers per GPU come off the "
-                     "KV cache")
+    if c.buffer_bytes_per_gpu:
+        extra.append(f"{c.buffer_bytes_per_gpu / GiB:.2f} GiB of NVSHMEM buffers per GPU come "
+                     "off the KV cache")
     if not c.cuda_graphs:
         extra.append("CUDA graphs off (vLLM disables them with this backend): decode runs "
                      "eager")
     if c.nvshmem and c.cross_node:
         k8s = t["kubernetes"]
-        c.kubernetes = {"rdma_resource": k8s["rdma_resource"], "ipc_lock": k8s["ipc_lock"],
-                        "shm_gib": k8s["shm_gib"]}
+        c = replace(c, kubernetes={"rdma_resource": k8s["rdma_resource"],
+                                   "ipc_lock": k8s["ipc_lock"], "shm_gib": k8s["shm_gib"]})
         extra.append(f"needs GPUDirect RDMA between the nodes ({k8s['rdma_resource']} "
                      "devices, IPC_LOCK for NVSHMEM's pinned memory)")
     flag = (f"--all2all-backend {want}" if style == "flag" else f"{ENV_VAR}={want}")
-    c.reason = (f"all2all-backend {want} ({flag if want != c.default else 'vLLM default'}): "
-                f"{why_want}; {row['reason']}" + ("; " + "; ".join(extra) if extra else ""))
-    return c
+    return replace(c, reason=Reason(
+        "all2all.chosen", f"all2all-backend {want} "
+        f"({flag if want != default else 'vLLM default'}): {why_want}; {row['reason']}"
+        + ("; " + "; ".join(extra) if extra else ""),
+        {**data, "buffer_bytes": c.buffer_bytes_per_gpu, "cuda_graphs": c.cuda_graphs,
+         "selector": style}))

@@ -11,29 +11,16 @@ candidates - MTP's benefit at equal load and, separately, at the SLO knee.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any
 
-from ...deployment.plan import Reason
+from ...deployment.plan import EPBackend, Reason, Serving, Speculative
 from ...errors import InputError
 from ...inputs.hardware import GiB
 from ..search import rank, search
 from ..speed import request_model as perf
 from . import ep_backend, serving_flags, speculative
-
-
-@dataclass
-class Serving:
-    parsers: serving_flags.ServingFlags = field(default_factory=serving_flags.ServingFlags)
-    ep: ep_backend.Choice = field(default_factory=ep_backend.Choice)
-    mtp: speculative.Decision = field(default_factory=speculative.Decision)
-
-    def env(self) -> dict[str, str]:
-        return self.ep.env()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"speculative": self.mtp.to_dict(), "parsers": self.parsers.to_dict(),
-                "ep_backend": self.ep.to_dict()}
 
 
 @dataclass
@@ -45,7 +32,7 @@ class DraftChoices:
     method: str = ""
     pinned_on: bool = False
     pinned_off: bool = False
-    unsupported: str = ""
+    unsupported: Reason | None = None  # why no draft is possible here
 
 
 def draft_choices(spec: Any, hw: Any, pins: Any, version: str) -> DraftChoices:
@@ -69,58 +56,69 @@ def draft_choices(spec: Any, hw: Any, pins: Any, version: str) -> DraftChoices:
 
 
 def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Serving:
-    """The chosen candidate's serving features as flags and reasons (mutates the plan's
-    reasons and warnings)."""
-    s = Serving()
-    s.parsers = serving_flags.decide(plan.model, plan.vllm_version,
-                                     getattr(pins, "reasoning_parser", None),
-                                     getattr(pins, "tool_call_parser", None),
-                                     getattr(pins, "chat_template", None))
-    pinned = s.parsers.source == "pinned"
-    plan.reasons.extend(Reason("parsers", r, {"pinned": pinned}) for r in s.parsers.reasons)
-    plan.warnings.extend(Reason("parsers.missing", w) for w in s.parsers.warnings)
+    """The chosen candidate's serving features as the plan's `Serving`, each decision's reason
+    data (mutates the plan's reasons and warnings: the same Reason objects, not copies)."""
+    flags = serving_flags.decide(plan.model, plan.vllm_version,
+                                 getattr(pins, "reasoning_parser", None),
+                                 getattr(pins, "tool_call_parser", None),
+                                 getattr(pins, "chat_template", None))
+    plan.reasons.extend(flags.parsers.reasons)
+    plan.warnings.extend(flags.warnings)
+    ep = ep_backend.NOT_APPLICABLE
     if best.fits:
-        s.ep = dataclasses.replace(best.ep)
-        if s.ep.applies and best.ep_note:
-            s.ep.reason += (f"; but then {best.ep_note}: keeping vLLM's default {s.ep.default} "
-                            "instead")
-            s.ep.backend, s.ep.buffer_bytes, s.ep.cuda_graphs, s.ep.kubernetes = (
-                s.ep.default, 0, True, {})
-        elif s.ep.applies and s.ep.buffer_bytes:
-            s.ep.reason += f" ({s.ep.buffer_bytes / GiB:.2f} GiB of buffers per GPU, taken " \
-                           "from the KV cache)"
-        if s.ep.reason:
-            plan.reasons.append(Reason("all2all_backend", s.ep.reason,
-                                       {"backend": s.ep.backend, "pinned": s.ep.pinned,
-                                        "buffer_bytes": s.ep.buffer_bytes}))
-    s.mtp = decision(plan, goal, res, best, mtp)
-    if s.mtp.reason:
-        plan.reasons.append(Reason("mtp.on" if s.mtp.enabled else "mtp.off", s.mtp.reason,
-                                   {"num_speculative_tokens": s.mtp.k if s.mtp.enabled else 0,
-                                    "pinned": s.mtp.pinned}))
-    return s
+        ep = _chosen_ep(best)
+        if ep.reason is not None:
+            plan.reasons.append(ep.reason)
+    spec = decision(plan, goal, res, best, mtp)
+    plan.reasons.append(spec.reason)
+    return Serving(speculative=spec, parsers=flags.parsers, ep_backend=ep)
 
 
-def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
-             ) -> speculative.Decision:
+def _chosen_ep(best: Any) -> EPBackend:
+    """The all-to-all the chosen candidate was judged with, and what the search then learnt of
+    it: a backend whose buffers left nothing (`ep_note`) falls back to vLLM's default."""
+    ep = best.ep
+    if not ep.applies or ep.reason is None:
+        return ep
+    r = ep.reason
+    if best.ep_note:
+        return dataclasses.replace(
+            ep, backend=ep.vllm_default, buffer_bytes_per_gpu=0, cuda_graphs=True,
+            kubernetes=None, reason=Reason(
+                "all2all.fell_back", f"{r.text}; but then {best.ep_note}: keeping vLLM's "
+                f"default {ep.vllm_default} instead",
+                {**r.data, "wanted": ep.backend, "backend": ep.vllm_default, "buffer_bytes": 0,
+                 "cause": r.code}))
+    if ep.buffer_bytes_per_gpu:
+        return dataclasses.replace(ep, reason=dataclasses.replace(
+            r, text=f"{r.text} ({ep.buffer_bytes_per_gpu / GiB:.2f} GiB of buffers per GPU, "
+            "taken from the KV cache)"))
+    return ep
+
+
+def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Speculative:
     """MTP as the search decided it, with the figures that decided it."""
-    d = speculative.Decision(method=mtp.method, pinned=mtp.pinned_on or mtp.pinned_off,
-                             acceptance=mtp.acceptance)
-    if mtp.unsupported:
-        d.reason = f"MTP off: {mtp.unsupported}"
+    pinned = mtp.pinned_on or mtp.pinned_off
+    off = functools.partial(speculative.decided, enabled=False, k=0, method=mtp.method,
+                            pinned=pinned, acceptance=mtp.acceptance, cost=None)
+    if mtp.unsupported is not None:
+        u = mtp.unsupported
         if mtp.pinned_on:
             plan.warnings.append(Reason("mtp.unsupported", "MTP was asked for but is not "
-                                        f"possible: {mtp.unsupported}"))
-        return d
+                                        f"possible: {u.text}", {**u.data, "cause": u.code}))
+        return off(reason=Reason("mtp.off.unsupported", f"MTP off: {u.text}",
+                                 {**u.data, "cause": u.code, "pinned": pinned}))
     if mtp.pinned_off:
-        d.reason = "MTP off: pinned by you (--no-mtp)"
-        return d
+        return off(reason=Reason("mtp.off.pinned", "MTP off: pinned by you (--no-mtp)",
+                                 {"pinned": True}))
     if not best.fits:
-        d.reason = ("MTP off: no candidate fits" if not mtp.pinned_on else
-                    "MTP off: no candidate with the draft fits (pinned on by you)")
+        r = Reason("mtp.off.no_fit", "MTP off: no candidate fits" if not mtp.pinned_on else
+                   "MTP off: no candidate with the draft fits (pinned on by you)",
+                   {"pinned": pinned})
         if mtp.pinned_on:
-            plan.warnings.append(Reason("mtp.no_fit", d.reason))
-        return d
+            plan.warnings.append(dataclasses.replace(r, code="mtp.no_fit"))
+        return off(reason=r)
+    options = []
     for k in mtp.drafts:
         j = max((x for x in res.judged if x.knobs.draft == k), key=lambda x: x.value,
                 default=None)
@@ -132,38 +130,51 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
             note["layout"] = j.cand.label()
             if j.perf is not None:
                 note["figure"] = rank.figure(j.perf, goal.objective)
-        d.options.append(note)
+        options.append(note)
+    off = functools.partial(off, options=tuple(options))
     k = best.knobs.draft
     offs = [x for x in res.judged if x.knobs.draft == 0]
     ons = [x for x in res.judged if x.knobs.draft]
-    off = max(offs, key=lambda x: x.value, default=None)
+    without = max(offs, key=lambda x: x.value, default=None)
     on = best if k else max(ons, key=lambda x: x.value, default=None)
     if not k:
-        if on is None or on.perf is None or best.perf is None:
-            d.reason = ("MTP off: no performance prediction on this hardware to show a gain; "
-                        "pin --mtp to use it" if best.perf is None else
-                        "MTP off: no candidate with the draft holds the context")
-            return d
+        if best.perf is None:
+            return off(reason=Reason(
+                "mtp.off.no_prediction", "MTP off: no performance prediction on this hardware "
+                "to show a gain; pin --mtp to use it", {"pinned": pinned}))
+        if on is None or on.perf is None:
+            return off(reason=Reason("mtp.off.no_context", "MTP off: no candidate with the "
+                                     "draft holds the context", {"pinned": pinned}))
         search.finish(goal, on)
         gain = _gain(goal, on.perf, best.perf)
         margin = float(speculative.mtp_table()["margin"])
         what = ("verifying the drafts costs more than they save" if gain < 0
                 else "too little gain for its memory")
-        d.reason = (f"MTP off: its best ({on.knobs.draft} draft token(s), {on.cand.label()}): "
-                    f"{rank.headline(on.perf, goal.objective)} vs "
-                    f"{rank.headline(best.perf, goal.objective)} "
-                    f"without ({gain:+.0%}); under the {margin:.0%} margin ({what})")
-        return d
-    d.enabled, d.k, d.cost = True, k, best.mtp
+        return off(reason=Reason(
+            "mtp.off.gain",
+            f"MTP off: its best ({on.knobs.draft} draft token(s), {on.cand.label()}): "
+            f"{rank.headline(on.perf, goal.objective)} vs "
+            f"{rank.headline(best.perf, goal.objective)} without ({gain:+.0%}); under the "
+            f"{margin:.0%} margin ({what})",
+            {"pinned": pinned, "draft_tokens": on.knobs.draft,
+             "layout": on.cand.label(), "gain": round(gain, 4), "margin": margin,
+             "objective": goal.objective}))
     acc = mtp.acceptance
+    data: dict[str, Any] = {"pinned": pinned, "num_speculative_tokens": k,
+                            "tokens_per_step": round(acc.tokens_per_step(k), 3),
+                            "acceptance_first": acc.first, "acceptance_later": acc.later,
+                            "objective": goal.objective}
     head = (f"MTP on ({'pinned by you' if mtp.pinned_on else f'objective {goal.objective}'}): "
             f"{k} draft token(s), {acc.tokens_per_step(k):.2f} tokens per step at acceptance "
             f"{acc.first:.2f}/{acc.later:.2f}; cost {speculative.describe_cost(best.mtp)}")
+    on_ = functools.partial(speculative.decided, enabled=True, k=k, method=mtp.method,
+                            pinned=pinned, acceptance=acc, cost=best.mtp,
+                            options=tuple(options))
     if best.perf is None:
-        d.reason = head
-        return d
+        return on_(reason=Reason("mtp.on", head, data))
     twin = _no_draft_twin(goal, best)
     parts = [head]
+    equal_load = None
     if twin is not None and twin.perf is not None:
         # The gain MTP itself brings: the same requests in flight, the same flags, TPOT with
         # and without the draft. It leads; the knee's figure below mixes it with the SLO.
@@ -171,28 +182,29 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices
         n = a.knee.concurrency if a.knee else 1
         on_d = (a.knee or a.single).to_dict()  # the plan's own point: the JSON's figures
         off_d = perf.point(twin.perf.shape, goal.workload, n).to_dict()
-        d.equal_load = {"concurrency": on_d["concurrency"], "with": on_d, "without": off_d}
         speedup = off_d["tpot_ms"] / on_d["tpot_ms"] if on_d["tpot_ms"] else 1.0
-        d.equal_load["speedup"] = round(speedup, 3)
+        equal_load = {"concurrency": on_d["concurrency"], "with": on_d, "without": off_d,
+                      "speedup": round(speedup, 3)}
+        data["equal_load_speedup"] = round(speedup, 3)
         parts[0] = head.replace(": ", f": {speedup:.2f}x faster tokens at equal load, ", 1)
         parts.append(f"at equal load ({n:,.0f} in flight, same flags without the draft): "
                      f"TPOT {on_d['tpot_ms']:.1f} vs {off_d['tpot_ms']:.1f} ms, "
                      f"{on_d['output_tokens_per_s']:,.0f} vs {off_d['output_tokens_per_s']:,.0f} "
                      "output tok/s")
-    if off is not None and off.perf is not None:
-        search.finish(goal, off)
-        gain = _gain(goal, best.perf, off.perf)
-        on_k, off_k = best.perf.knee, off.perf.knee
+    if without is not None and without.perf is not None:
+        search.finish(goal, without)
+        gain = _gain(goal, best.perf, without.perf)
+        on_k, off_k = best.perf.knee, without.perf.knee
+        data["knee_gain"] = round(gain, 4)
         why = (f": mostly the SLO's effect - faster tokens keep {on_k.concurrency:,.0f} "
                f"requests in flight within it where {off_k.concurrency:,.0f} fit without MTP"
                if on_k and off_k and on_k.concurrency != off_k.concurrency else "")
         parts.append(f"at the SLO knee: {rank.headline(best.perf, goal.objective)} vs "
-                     f"{rank.headline(off.perf, goal.objective)} for the best plan without MTP "
-                     f"({off.cand.label()}, {gain:+.0%}){why}")
+                     f"{rank.headline(without.perf, goal.objective)} for the best plan without "
+                     f"MTP ({without.cand.label()}, {gain:+.0%}){why}")
     parts.append("model only: vLLM's published MTP speed-ups (PR #13626, V0) check it at 1 and "
                  "8 in flight, and the acceptance is a default (vlaunch tune measures both)")
-    d.reason = "; ".join(parts)
-    return d
+    return on_(reason=Reason("mtp.on", "; ".join(parts), data), equal_load=equal_load)
 
 
 def _gain(goal: Any, a: Any, b: Any) -> float:

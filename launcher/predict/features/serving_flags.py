@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from ...deployment.plan import Parsers, Reason
 from ...errors import InputError
 from ...inputs import vllm_flags
 from ...inputs.model import ModelSpec
@@ -54,48 +55,48 @@ def profile_row(spec: ModelSpec) -> dict[str, Any] | None:
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServingFlags:
-    """What the plan passes to the API server for clients, and why."""
+    """What the plan passes to the API server for clients, and why: the plan's own `Parsers`
+    (deployment/plan.py, its fields declared there once), plus what only the argv and the
+    plan's warnings need."""
 
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    auto_tool_choice: bool = False
-    chat_template: str | None = None
-    tokenizer_mode: str | None = None
+    parsers: Parsers = Parsers(None, None, False, None, None, "none")
     enable_reasoning_flag: bool = False  # vLLM 0.7.1-0.8.x needed --enable-reasoning too
-    reasons: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    source: str = "none"  # profile | pinned | none
+    warnings: tuple[Reason, ...] = ()
 
     def vllm_args(self) -> list[str]:
-        reasoning, tools = bool(self.reasoning_parser), bool(self.tool_call_parser)
+        p = self.parsers
+        reasoning, tools = bool(p.reasoning_parser), bool(p.tool_call_parser)
         return vllm_flags.argv((
             ("enable_reasoning", reasoning and self.enable_reasoning_flag),
-            ("reasoning_parser", self.reasoning_parser or None),
-            ("tool_call_parser", self.tool_call_parser or None),
-            ("enable_auto_tool_choice", tools and self.auto_tool_choice),
-            ("chat_template", self.chat_template or None),
-            ("tokenizer_mode", self.tokenizer_mode or None),
+            ("reasoning_parser", p.reasoning_parser or None),
+            ("tool_call_parser", p.tool_call_parser or None),
+            ("enable_auto_tool_choice", tools and p.enable_auto_tool_choice),
+            ("chat_template", p.chat_template or None),
+            ("tokenizer_mode", p.tokenizer_mode or None),
         ))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"reasoning_parser": self.reasoning_parser,
-                "tool_call_parser": self.tool_call_parser,
-                "enable_auto_tool_choice": self.auto_tool_choice,
-                "chat_template": self.chat_template, "tokenizer_mode": self.tokenizer_mode,
-                "source": self.source, "reasons": list(self.reasons)}
+
+def needs_enable_reasoning(version: str) -> bool:
+    """Whether this vLLM takes a reasoning parser only with --enable-reasoning (0.7.1-0.8.x)."""
+    erow = table().get("enable_reasoning_flag") or {}
+    return at_least(version, erow.get("since")) and not at_least(version, erow.get("until"))
 
 
-def _gate(kind: str, name: str, version: str) -> tuple[bool, str]:
-    """(available in `version`, why not) for a parser or tokenizer mode name."""
+def _gate(kind: str, name: str, version: str) -> dict[str, Any] | None:
+    """None when `version` has the parser or tokenizer mode `name`, else the figures of why
+    not (the release that added it, and its source)."""
     row = (table().get("parser_versions", {}).get(kind) or {}).get(name)
-    if row is None:
-        return True, ""  # a name the table does not know (your own): vLLM checks it
-    if at_least(version, row.get("since")):
-        return True, ""
-    return False, (f"vLLM {version} has no {kind.replace('_', ' ')} '{name}' (since "
-                   f"{row['since']}: {row.get('source', '')})")
+    if row is None or at_least(version, row.get("since")):
+        return None  # a name the table does not know (your own): vLLM checks it
+    return {"kind": kind, "name": name, "vllm_version": version, "since": str(row["since"]),
+            "source": row.get("source", "")}
+
+
+def _lack(g: dict[str, Any]) -> str:
+    return (f"vLLM {g['vllm_version']} has no {g['kind'].replace('_', ' ')} '{g['name']}' "
+            f"(since {g['since']}: {g['source']})")
 
 
 def _override(value: str | None, pinned: str | None) -> tuple[str | None, bool]:
@@ -110,7 +111,8 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
     """The parsers, tool choice, chat template and tokenizer mode for `spec` on `version`.
 
     A pinned value wins over the profile (`none` drops it); anything the version lacks is left
-    out with the reason, so a plan never passes vLLM a flag value it rejects at start-up.
+    out with the reason, so a plan never passes vLLM a flag value it rejects at start-up. Each
+    reason and warning is data: a code, its figures, and the sentence they make.
     """
     for flag, value in ((vllm_flags.flag("reasoning_parser"), reasoning_parser),
                         (vllm_flags.flag("tool_call_parser"), tool_call_parser),
@@ -118,7 +120,6 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
         if value is not None and not value.strip():
             raise InputError(f"{flag} needs a value (a name, or '{NONE}' to leave it out)")
     row = profile_row(spec) or {}
-    out = ServingFlags(source="profile" if row else "none")
     why = row.get("why", "")
     reasoning, r_pinned = _override(row.get("reasoning_parser"), reasoning_parser)
     template, t_pinned = _override(None, chat_template)
@@ -127,48 +128,65 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
         tools_mode == "with_template" and template) else None
     tool, tool_pinned = _override(tool, tool_call_parser)
     mode = row.get("tokenizer_mode")
-    if r_pinned or tool_pinned or t_pinned:
-        out.source = "pinned"
+    source = "pinned" if r_pinned or tool_pinned or t_pinned else "profile" if row else "none"
+    reasons: list[Reason] = []
+    warnings: list[Reason] = []
+    kept = {"reasoning_parser": None, "tool_call_parser": None, "tokenizer_mode": None}
+    enable_flag = False
     if reasoning:
-        ok, lack = _gate("reasoning_parser", reasoning, version)
-        if ok:
-            out.reasoning_parser = reasoning
-            erow = table().get("enable_reasoning_flag") or {}
-            out.enable_reasoning_flag = (at_least(version, erow.get("since"))
-                                         and not at_least(version, erow.get("until")))
-            out.reasons.append(f"reasoning-parser {reasoning}: "
-                               + ("pinned by you" if r_pinned else why)
-                               + "; clients get the thinking in reasoning_content"
-                               + (" (with --enable-reasoning, which this vLLM still needs)"
-                                  if out.enable_reasoning_flag else ""))
+        lack = _gate("reasoning_parser", reasoning, version)
+        if lack is None:
+            kept["reasoning_parser"] = reasoning
+            enable_flag = needs_enable_reasoning(version)
+            reasons.append(Reason(
+                "parsers.reasoning", f"reasoning-parser {reasoning}: "
+                + ("pinned by you" if r_pinned else why)
+                + "; clients get the thinking in reasoning_content"
+                + (" (with --enable-reasoning, which this vLLM still needs)"
+                   if enable_flag else ""),
+                {"parser": reasoning, "pinned": r_pinned, "enable_reasoning": enable_flag}))
         else:
-            out.warnings.append(f"no --reasoning-parser: {lack}; the reasoning stays inside "
-                                "the answer text")
+            warnings.append(Reason("parsers.reasoning_missing", f"no --reasoning-parser: "
+                                   f"{_lack(lack)}; the reasoning stays inside the answer text",
+                                   lack))
     if tool:
-        ok, lack = _gate("tool_call_parser", tool, version)
-        if ok:
-            out.tool_call_parser, out.auto_tool_choice = tool, True
-            out.reasons.append(f"tool-call-parser {tool} with --enable-auto-tool-choice: "
-                               + ("pinned by you" if tool_pinned else why)
-                               + "; tool calls arrive as OpenAI tool_calls")
+        lack = _gate("tool_call_parser", tool, version)
+        if lack is None:
+            kept["tool_call_parser"] = tool
+            reasons.append(Reason(
+                "parsers.tools", f"tool-call-parser {tool} with --enable-auto-tool-choice: "
+                + ("pinned by you" if tool_pinned else why)
+                + "; tool calls arrive as OpenAI tool_calls",
+                {"parser": tool, "pinned": tool_pinned}))
         else:
-            out.warnings.append(f"no --tool-call-parser: {lack}; tool calls would arrive as text")
+            warnings.append(Reason("parsers.tools_missing", f"no --tool-call-parser: "
+                                   f"{_lack(lack)}; tool calls would arrive as text", lack))
     elif tools_mode == "with_template" and not tool_pinned:
-        out.reasons.append(
+        reasons.append(Reason(
+            "parsers.tools_need_template",
             f"no tool-call parser: {spec.name}'s tool calls need vLLM's tool chat template "
             f"({row.get('template')} in the vLLM repository, not shipped in its wheel); pass "
             f"--chat-template PATH to that file to get --tool-call-parser "
-            f"{row.get('tool_call_parser')} --enable-auto-tool-choice")
+            f"{row.get('tool_call_parser')} --enable-auto-tool-choice",
+            {"template": row.get("template"), "parser": row.get("tool_call_parser"),
+             "pinned": False}))
     if template:
-        out.chat_template = template
-        out.reasons.append(f"chat-template {template}: pinned by you")
+        reasons.append(Reason("parsers.chat_template", f"chat-template {template}: pinned by "
+                              "you", {"path": template, "pinned": True}))
     if mode and (tool or reasoning):
-        ok, lack = _gate("tokenizer_mode", mode, version)
-        if ok:
-            out.tokenizer_mode = mode
-            out.reasons.append(f"tokenizer-mode {mode}: the checkpoint has no Jinja chat "
-                               "template; vLLM's encoder for it renders the chat, thinking "
-                               "and tools")
+        lack = _gate("tokenizer_mode", mode, version)
+        if lack is None:
+            kept["tokenizer_mode"] = mode
+            reasons.append(Reason(
+                "parsers.tokenizer_mode", f"tokenizer-mode {mode}: the checkpoint has no Jinja "
+                "chat template; vLLM's encoder for it renders the chat, thinking and tools",
+                {"mode": mode, "pinned": False}))
         else:
-            out.warnings.append(f"no --tokenizer-mode {mode}: {lack}")
-    return out
+            warnings.append(Reason("parsers.tokenizer_mode_missing",
+                                   f"no --tokenizer-mode {mode}: {_lack(lack)}", lack))
+    tools = kept["tool_call_parser"]
+    parsers = Parsers(reasoning_parser=kept["reasoning_parser"], tool_call_parser=tools,
+                      enable_auto_tool_choice=bool(tools), chat_template=template or None,
+                      tokenizer_mode=kept["tokenizer_mode"], source=source,
+                      reasons=tuple(reasons))
+    return ServingFlags(parsers, enable_flag, tuple(warnings))

@@ -39,10 +39,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...deployment.plan import Acceptance as PlanAcceptance
+from ...deployment.plan import Reason, Speculative
 from ...errors import InputError
 from ...inputs.hardware import GiB, Hardware, MiB
 from ...inputs.model import ModelSpec
@@ -125,27 +127,36 @@ def measured_for(model: str) -> dict[str, Any] | None:
     return entry if ok else None
 
 
-def support(spec: ModelSpec, hw: Hardware, version: str) -> tuple[bool, str, str]:
-    """(supported, reason, method name) for an MTP draft of `spec` on `hw` with `version`."""
+def support(spec: ModelSpec, hw: Hardware, version: str) -> tuple[bool, Reason | None, str]:
+    """(supported, why not, method name) for an MTP draft of `spec` on `hw` with `version`."""
     t = mtp_table()
     if not spec.mtp_layers:
-        return False, f"{spec.name} stores no MTP layer (num_nextn_predict_layers is 0)", ""
+        return False, Reason("mtp.unsupported.no_layer", f"{spec.name} stores no MTP layer "
+                             "(num_nextn_predict_layers is 0)", {"model": spec.name}), ""
     if not spec.architecture.startswith("deepseek"):
-        return False, f"vlaunch models MTP for DeepSeek checkpoints, not {spec.architecture}", ""
+        return False, Reason("mtp.unsupported.architecture", "vlaunch models MTP for DeepSeek "
+                             f"checkpoints, not {spec.architecture}",
+                             {"architecture": spec.architecture}), ""
     since = (t.get("min_version") or {}).get(spec.attention)
     if since is None:
-        return False, f"no MTP support row for {spec.attention} attention", ""
+        return False, Reason("mtp.unsupported.attention", f"no MTP support row for "
+                             f"{spec.attention} attention", {"attention": spec.attention}), ""
     if not at_least(version, since):
-        return False, f"vLLM {version} cannot load a {spec.attention} MTP draft (since {since})", ""
+        return False, Reason("mtp.unsupported.version", f"vLLM {version} cannot load a "
+                             f"{spec.attention} MTP draft (since {since})",
+                             {"attention": spec.attention, "vllm_version": version,
+                              "since": str(since)}), ""
     for row in t.get("platforms", ()):
         if row["platform"] == hw.kind.platform:
             if not row["supported"]:
-                return False, row["reason"], ""
+                return False, Reason("mtp.unsupported.platform", row["reason"],
+                                     {"platform": hw.kind.platform}), ""
             break
     else:
-        return False, f"no MTP support row for the {hw.kind.platform} platform", ""
+        return False, Reason("mtp.unsupported.platform", f"no MTP support row for the "
+                             f"{hw.kind.platform} platform", {"platform": hw.kind.platform}), ""
     method = next(r["method"] for r in t["methods"] if at_least(version, r["since"]))
-    return True, "", method
+    return True, None, method
 
 
 # ----------------------------------------------------------------------------- cost
@@ -271,33 +282,20 @@ def with_draft(spec: ModelSpec, cand: Any, c: Cost, kv_pinned: bool,
 # ----------------------------------------------------------------------------- decision
 
 
-@dataclass
-class Decision:
-    enabled: bool = False
-    k: int = 0
-    method: str = ""
-    pinned: bool = False
-    acceptance: Acceptance | None = None
-    cost: Cost | None = None
-    reason: str = ""
-    options: list[dict[str, Any]] = field(default_factory=list)
-    equal_load: dict[str, Any] | None = None  # the chosen flags with and without the draft
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.acceptance.tokens_per_step(self.k) if self.acceptance and self.k else 1.0
-
-    def to_dict(self) -> dict[str, Any]:
-        a = self.acceptance
-        return {"enabled": self.enabled, "method": self.method or None,
-                "num_speculative_tokens": self.k if self.enabled else 0,
-                "pinned": self.pinned,
-                "acceptance": {"first": a.first, "later": a.later, "source": a.source}
-                if a else None,
-                "tokens_per_step": round(self.tokens_per_step, 3) if self.enabled else 1.0,
-                "cost_per_gpu": self.cost.to_dict() if self.cost else None,
-                "reason": self.reason, "options": self.options,
-                "equal_load": self.equal_load}
+def decided(*, enabled: bool, k: int, method: str, pinned: bool,
+            acceptance: Acceptance | None, cost: Cost | None, reason: Reason,
+            options: tuple[dict[str, Any], ...] = (), equal_load: dict[str, Any] | None = None
+            ) -> Speculative:
+    """MTP as the plan carries it (deployment/plan.py `Speculative`, its fields declared there
+    once): k and the tokens per step only when on, the acceptance and cost with their figures."""
+    a = acceptance
+    return Speculative(
+        enabled=enabled, method=method or None, num_speculative_tokens=k if enabled else 0,
+        pinned=pinned,
+        acceptance=PlanAcceptance(a.first, a.later, a.source) if a else None,
+        tokens_per_step=round(a.tokens_per_step(k), 3) if enabled and a and k else 1.0,
+        cost_per_gpu=cost.to_dict() if cost else None, reason=reason, options=options,
+        equal_load=equal_load)
 
 
 def describe_cost(c: Cost) -> str:

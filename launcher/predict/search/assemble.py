@@ -2,8 +2,9 @@
 
 `make_plan` works on mutable candidates while it searches; once it has chosen, this builds the
 frozen Deployment of one `aggregated` pool from the chosen candidate, its assessment and its
-serving decisions. The sub-decisions that already have one serialisation of their own (the
-performance figures, MTP/parsers/all-to-all, a runner-up) are read through the codec's typed
+serving decisions. The serving decisions (MTP, parsers, all-to-all) and the autoscaling arrive
+as the plan's own types (deployment/plan.py), made by their models; the performance figures and
+the start-up, which have one serialisation of their own, are read through the codec's typed
 reader, so their figures are computed once.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from ...deployment import plan as D
 from ...deployment.codec import build
+from ..features import ep_backend, serving_flags
 from ..memory import budget as B
 
 
@@ -38,12 +40,16 @@ def _parallel(L: Any) -> D.Parallel:
 def _engine(plan: Any) -> D.EngineConfig:
     c, m, s = plan.chosen, plan.model, plan.serving
     spec = par = ep = None
+    enable_reasoning = False
     if s is not None:
-        if s.mtp.enabled:
-            spec = D.SpeculativeConfig(s.mtp.method, s.mtp.k)
+        if s.speculative.enabled:
+            spec = D.SpeculativeConfig(s.speculative.method,
+                                       s.speculative.num_speculative_tokens)
         par = s.parsers
-        if s.ep.vllm_args():
-            ep = s.ep.backend
+        if ep_backend.vllm_args(s.ep_backend):
+            ep = s.ep_backend.backend
+        enable_reasoning = bool(par.reasoning_parser) and serving_flags.needs_enable_reasoning(
+            plan.vllm_version)
     return D.EngineConfig(
         model=m.path or m.hf_id, parallel=_parallel(c.layout), max_model_len=c.max_model_len,
         kv_cache_dtype=c.kv_dtype, gpu_memory_utilization=round(c.utilization, 4),
@@ -54,10 +60,11 @@ def _engine(plan: Any) -> D.EngineConfig:
         kv_cache_memory_bytes=c.kv_memory if plan.kv_pinned else None,
         enable_chunked_prefill=plan.chunked_prefill, enforce_eager=plan.enforce_eager,
         speculative_config=spec, all2all_backend=ep,
-        enable_reasoning=bool(par and par.reasoning_parser and par.enable_reasoning_flag),
+        enable_reasoning=enable_reasoning,
         reasoning_parser=par.reasoning_parser if par else None,
         tool_call_parser=par.tool_call_parser if par else None,
-        enable_auto_tool_choice=bool(par and par.tool_call_parser and par.auto_tool_choice),
+        enable_auto_tool_choice=bool(par and par.tool_call_parser
+                                     and par.enable_auto_tool_choice),
         chat_template=par.chat_template if par else None,
         tokenizer_mode=par.tokenizer_mode if par else None)
 
@@ -104,8 +111,7 @@ def deployment(plan: Any) -> D.Deployment:
     """The planner's `Plan` as the frozen Deployment of one aggregated pool."""
     c, hw = plan.chosen, plan.hardware
     perf = _performance(plan, plan.performance)
-    serving = (build(D.Serving, plan.serving.to_dict(), "serving")
-               if plan.serving is not None else None)
+    serving = plan.serving
     stages = tuple(D.Stage(s["layers"], s["weights_bytes"], s["kv_cache_bytes"])
                    for s in c.stages) if c.layout.pp > 1 else ()
     pool = D.Pool(role="aggregated", replicas=1, gpus_per_replica=hw.count,

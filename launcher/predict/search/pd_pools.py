@@ -48,7 +48,7 @@ def role_all2all(plan: Any, role: str, pins: Any) -> str | None:
     """The DeepEP kernel to re-plan a pool's replica with, when its search chose DeepEP's
     other one (the choice it makes for an aggregated engine); None to keep the plan. A backend
     the user pinned is kept."""
-    ep = plan.serving.ep if plan.serving is not None else None
+    ep = plan.serving.ep_backend if plan.serving is not None else None
     want = ROLE_ALL2ALL[role]
     if ep is None or pins.all2all_backend is not None or ep.backend == want:
         return None

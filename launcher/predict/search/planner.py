@@ -23,7 +23,7 @@ from ...inputs.hardware import GiB, Hardware, MiB
 from ...inputs.model import ModelSpec
 from ...inputs.workload import SLO, Workload, check_objective, fit_to_context, resolve_workload
 from ..capacity import plan_scaling as scaleplan
-from ..features import serving
+from ..features import ep_backend, serving
 from ..features.capabilities import (
     VersionTraits,
     batch_defaults,
@@ -69,7 +69,7 @@ class Plan:
     slo: SLO | None = None
     why_not: dict[int, str] = field(default_factory=dict)  # id(runner-up) -> the figure it lost on
     drafts: dict[int, int] = field(default_factory=dict)  # id(runner-up) -> its MTP draft tokens
-    serving: Any = None  # serving.Serving: MTP, parsers, all-to-all backend
+    serving: Any = None  # deployment.plan.Serving: MTP, parsers, all-to-all backend
     concurrency: int | None = None  # the operating point the user asked for (--concurrency)
     judged: int = 0  # candidates the search judged for memory
     timed: int = 0  # of those, judged for speed too
@@ -103,7 +103,7 @@ class Plan:
             if root:  # keep vLLM's measurements next to the model cache (a PVC in Kubernetes)
                 env["VLLM_CACHE_ROOT"] = root
         if self.serving is not None:
-            env.update(self.serving.env())
+            env.update(ep_backend.env(self.serving.ep_backend))
         return env | platform_env(self.hardware, self.model.attention)[0]
 
     def deployment(self) -> Any:

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...deployment.plan import EPBackend
 from ...inputs.hardware import Hardware
 from ...inputs.model import ModelSpec
 from ...inputs.workload import SLO, Workload
@@ -74,12 +75,12 @@ class Goal:
     drafts: list[int]
     acceptance: Any = None  # speculative.Acceptance when drafts are searched
     mtp_pinned: bool = False
-    _ep: dict[B.Layout, ep_backend.Choice] = field(default_factory=dict)
+    _ep: dict[B.Layout, EPBackend] = field(default_factory=dict)
     _constants: dict[tuple, Any] = field(default_factory=dict)
     _memory: dict[Knobs, Candidate] = field(default_factory=dict)
     counts: list[int] = field(default_factory=lambda: [0, 0])  # judged for memory, for speed
 
-    def ep(self, layout: B.Layout) -> ep_backend.Choice:
+    def ep(self, layout: B.Layout) -> EPBackend:
         """The all-to-all backend a layout would run (decided per layout, once)."""
         if layout not in self._ep:
             self._ep[layout] = ep_backend.choose(self.spec, self.hw, layout, self.objective,
@@ -95,7 +96,7 @@ class Judged:
     knobs: Knobs
     cand: Candidate
     perf: Any = None  # perfplan.Assessment
-    ep: ep_backend.Choice = field(default_factory=ep_backend.Choice)
+    ep: EPBackend = ep_backend.NOT_APPLICABLE
     ep_note: str = ""  # why the backend's buffers were not taken, when they were not
     mtp: speculative.Cost | None = None
     value: tuple = ()
@@ -134,10 +135,10 @@ def memory(goal: Goal, k: Knobs) -> Judged:
     ep = goal.ep(k.layout)
     j.ep = ep
     if ep.applies and ep.backend is None:
-        c.fits, c.problem = False, ep.reason
+        c.fits, c.problem = False, ep.reason.text if ep.reason else "no all-to-all backend"
         return j
-    if ep.applies and (ep.buffer_bytes or not ep.cuda_graphs):
-        new = rebudget(goal.spec, c, goal.kv_pinned, d_non_torch=ep.buffer_bytes,
+    if ep.applies and (ep.buffer_bytes_per_gpu or not ep.cuda_graphs):
+        new = rebudget(goal.spec, c, goal.kv_pinned, d_non_torch=ep.buffer_bytes_per_gpu,
                        d_cudagraph=0 if ep.cuda_graphs else -c.cudagraph,
                        pinned_bytes=goal.pins.kv_cache_memory_bytes)
         if new.fits:

@@ -1,9 +1,9 @@
 """The one (de)serialiser of a Deployment: `dump(d) -> dict`, `load(dict) -> Deployment`.
 
-`load(dump(d)) == d`. The JSON keeps the keys scripts read since before pools existed (`fits`,
-`model`, `gpus`, `parallel`, `max_model_len`, ..., `vllm_args`, `env`, `performance`), read from
-the aggregated pool, and adds `deployment` (the kind), `pools` (each pool whole, with its
-`engine`: every vLLM flag's value) and `objective`/`workload`/`slo`. `load` reads the pools and
+`load(dump(d)) == d`. The JSON is the Deployment's fields, plus the keys scripts read since
+before pools existed (`parallel`, `max_model_len`, ..., `vllm_args`, `env`, `serving`: the
+`SUMMARY` table), read from the first pool, then `pools` (each pool whole, with its `engine`:
+every vLLM flag's value). `load` reads the pools and
 the deployment's own fields, type by type from the dataclasses' annotations, and says in one
 line which field is missing or wrong (an `InputError`: exit 2), so no other module needs to
 subscript a plan dict.
@@ -11,6 +11,7 @@ subscript a plan dict.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import types
@@ -36,7 +37,40 @@ JSON_KEY: dict[type, dict[str, str]] = {
 OMIT_IF_NONE: dict[type, tuple[str, ...]] = {
     P.ModelRef: ("revision", "commit", "params_by_dtype", "checkpoint_params"),
     P.Performance: ("measured",),
+    P.Deployment: ("tuned",),
 }
+
+# The top level of the plan's JSON is the Deployment's fields (by JSON_KEY) and, right after
+# `gpus`, the summary keys scripts have read since before pools: each one the first pool's JSON
+# at a path; `pools` comes last, each pool whole. deployment/schema.py types every one of them
+# from the same tables, so the schema and the dump cannot disagree.
+SUMMARY: dict[str, str] = {
+    "parallel": "parallel",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "max_model_len": "engine.max_model_len",
+    "max_num_seqs": "engine.max_num_seqs",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "enable_chunked_prefill": "engine.enable_chunked_prefill",
+    "enforce_eager": "engine.enforce_eager",
+    "kv_cache": "kv_cache", "per_gpu": "per_gpu", "max_concurrency": "max_concurrency",
+    "per_stage": "per_stage", "vllm_args": "vllm_args", "env": "env", "serving": "serving",
+    "startup": "startup", "autoscaling": "autoscaling",
+}
+SUMMARY_AFTER = "hardware"
+# keys a summary object carries beyond its pool's (path in the same pool's JSON)
+SUMMARY_EXTRA: dict[str, dict[str, str]] = {
+    "parallel": {"distributed_executor_backend": "engine.distributed_executor_backend"},
+}
+# keys a pool's JSON carries beyond its fields (its `performance` is a performance block)
+POOL_EXTRA: dict[str, Any] = {"parallel": P.Parallel, "vllm_args": tuple[str, ...]}
+# a performance block's goal: key -> path in the Deployment (written only when both are set)
+PERF_GOAL: dict[str, str] = {
+    "objective": "objective", "input_len": "workload.input_len",
+    "output_len": "workload.output_len", "workload": "workload.name",
+    "assumed_workload": "workload.assumed", "slo": "slo",
+}
+# the deployment's own performance block adds the per-GPU figure over every pool's GPUs
+DEPLOYMENT_PERF_EXTRA: dict[str, Any] = {"gpus": int, "output_tokens_per_s_per_gpu": float}
 
 
 def to_json(v: Any) -> Any:
@@ -63,10 +97,21 @@ def performance_json(d: P.Deployment, perf: P.Performance | None) -> dict[str, A
     figures (so a reader of `performance` alone knows the workload and SLO)."""
     if perf is None or d.workload is None or d.slo is None:
         return None
-    w = d.workload
-    return {"source": perf.source, "objective": d.objective, "input_len": w.input_len,
-            "output_len": w.output_len, "workload": w.name, "assumed_workload": w.assumed,
-            "slo": to_json(d.slo), **{k: v for k, v in to_json(perf).items() if k != "source"}}
+    goal = {k: to_json(_attr(d, path)) for k, path in PERF_GOAL.items()}
+    return {"source": perf.source, **goal,
+            **{k: v for k, v in to_json(perf).items() if k != "source"}}
+
+
+def _attr(obj: Any, path: str) -> Any:
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _item(doc: Any, path: str) -> Any:
+    for key in path.split("."):
+        doc = doc[key]
+    return doc
 
 
 def pool_json(d: P.Deployment, pool: P.Pool) -> dict[str, Any]:
@@ -94,46 +139,30 @@ def _alternative_json(d: P.Deployment, a: P.Alternative) -> dict[str, Any]:
     return out
 
 
+def _summary(first: dict[str, Any]) -> dict[str, Any]:
+    """The summary keys, read from the first pool's JSON (copies: an edit of one is an edit)."""
+    out = {k: copy.deepcopy(_item(first, path)) for k, path in SUMMARY.items()}
+    for key, extra in SUMMARY_EXTRA.items():
+        out[key] = {**out[key], **{k: _item(first, path) for k, path in extra.items()}}
+    return out
+
+
 def dump(d: P.Deployment) -> dict[str, Any]:
     """The plan's JSON (`vlaunch plan --format json`, plan.json)."""
-    pool, e = d.pool, d.engine
     pools = [pool_json(d, p) for p in d.pools]
-    return {
-        "fits": d.fits,
-        "model": to_json(d.model),
-        "gpus": to_json(d.hardware),
-        "parallel": {**to_json(e.parallel),
-                     "distributed_executor_backend": e.distributed_executor_backend},
-        "gpu_memory_utilization": e.gpu_memory_utilization,
-        "max_model_len": e.max_model_len,
-        "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": e.max_num_batched_tokens,
-        "enable_chunked_prefill": e.enable_chunked_prefill,
-        "enforce_eager": e.enforce_eager,
-        "kv_cache": to_json(pool.kv_cache),
-        "per_gpu": to_json(pool.per_gpu),
-        "max_concurrency": pool.max_concurrency,
-        "candidates": to_json(d.candidates),
-        "per_stage": to_json(pool.per_stage),
-        "vllm_version": d.vllm_version,
-        "vllm_args": pools[0]["vllm_args"],
-        "env": dict(pool.env),
-        "reasons": to_json(d.reasons),
-        "warnings": to_json(d.warnings),
-        "suggestions": to_json(d.suggestions),
-        "alternatives": [_alternative_json(d, a) for a in d.runners_up],
-        "performance": _deployment_performance(d),
-        "problem": d.problem,
-        "serving": to_json(pool.serving),
-        "startup": to_json(pool.startup),
-        "autoscaling": to_json(pool.autoscaling),
-        "objective": d.objective,
-        "workload": to_json(d.workload),
-        "slo": to_json(d.slo),
-        "deployment": d.kind,
-        "pools": pools,
-        **({"tuned": to_json(d.tuned)} if d.tuned is not None else {}),
-    }
+    block = {"performance": lambda: _deployment_performance(d),
+             "runners_up": lambda: [_alternative_json(d, a) for a in d.runners_up]}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(P.Deployment):
+        v = getattr(d, f.name)
+        if f.name == "pools" or v is None and f.name in OMIT_IF_NONE[P.Deployment]:
+            continue
+        out[JSON_KEY[P.Deployment].get(f.name, f.name)] = (
+            block[f.name]() if f.name in block else to_json(v))
+        if f.name == SUMMARY_AFTER:
+            out.update(_summary(pools[0]))
+    out["pools"] = pools
+    return out
 
 
 # ----------------------------------------------------------------------------- load

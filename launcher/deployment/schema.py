@@ -1,13 +1,16 @@
 """launcher/schemas/plan.json, generated from the Deployment's types and the codec's layout.
 
 Every dataclass of deployment/plan.py becomes a `$defs` entry (its fields, required when they
-have no default, nothing else allowed); the top level is the codec's `dump`: the keys scripts
-have read since before pools, then `deployment` and `pools`. `python -m launcher.deployment.schema`
+have no default, nothing else allowed). The top level is generated the same way, from the
+Deployment's fields and the codec's tables (SUMMARY: the keys scripts have read since before
+pools, each typed by its path in the pool; POOL_EXTRA, PERF_GOAL, DEPLOYMENT_PERF_EXTRA), which
+are what `dump` writes: no key is listed here. `python -m launcher.deployment.schema`
 rewrites the file; tests/test_deployment.py checks that the committed file is this output.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import types
@@ -17,13 +20,39 @@ from pathlib import Path
 from typing import Any
 
 from . import plan as P
-from .codec import EXTRA_KEYS, JSON_KEY, hints
+from .codec import (
+    DEPLOYMENT_PERF_EXTRA,
+    EXTRA_KEYS,
+    JSON_KEY,
+    OMIT_IF_NONE,
+    PERF_GOAL,
+    POOL_EXTRA,
+    SUMMARY,
+    SUMMARY_AFTER,
+    SUMMARY_EXTRA,
+    hints,
+)
 
 PATH = Path(__file__).resolve().parent.parent / "schemas" / "plan.json"
-_PERF_GOAL = {"objective": {"$ref": "#/$defs/Objective"}, "input_len": {"type": "integer"},
-              "output_len": {"type": "integer"},
-              "workload": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-              "assumed_workload": {"type": "boolean"}, "slo": {"$ref": "#/$defs/SLO"}}
+
+
+def _strip_none(tp: Any) -> Any:
+    """`X | None` as X (a path walks through a value that is set)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _path_type(cls: Any, path: str, first: dict[str, Any] | None = None) -> Any:
+    """The type at `path` (field names joined by dots) from `cls`; `first` types the keys the
+    first step's JSON carries beyond its fields."""
+    tp = cls
+    for i, name in enumerate(path.split(".")):
+        tp = (first[name] if i == 0 and first and name in first
+              else hints(_strip_none(tp))[name])
+    return tp
 
 
 def _type(tp: Any, defs: dict[str, Any]) -> dict[str, Any]:
@@ -66,78 +95,93 @@ def _object(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _performance_block(defs: dict[str, Any]) -> dict[str, Any]:
-    """A performance block as the codec writes it: the goal, then the Performance fields."""
+    """A performance block as the codec writes it: the goal (PERF_GOAL: written only when the
+    workload and SLO are set), then the Performance fields."""
     _type(P.Performance, defs)
-    body = json.loads(json.dumps(defs["Performance"]))
-    body["properties"] = {"source": body["properties"].pop("source"), **_PERF_GOAL,
+    body = copy.deepcopy(defs["Performance"])
+    goal = {k: _type(_goal_type(path), defs) for k, path in PERF_GOAL.items()}
+    body["properties"] = {"source": body["properties"].pop("source"), **goal,
                           **body["properties"]}
-    body["required"] = [*body["required"], *_PERF_GOAL]
+    body["required"] = [*body["required"], *goal]
     return {"anyOf": [body, {"type": "null"}]}
 
 
-def _with(ref: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"allOf": [ref], **extra} if extra else ref
+def _goal_type(path: str) -> Any:
+    """A goal key's type: the block exists only when the workload and SLO are set, so a field
+    of the Deployment itself (`slo`) is never null there; a field inside one keeps its type."""
+    tp = _path_type(P.Deployment, path)
+    return _strip_none(tp) if "." not in path else tp
+
+
+def _summary(defs: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
+    """The summary keys' schemas: each the first pool's at its path (codec.SUMMARY), objects
+    widened by their SUMMARY_EXTRA keys."""
+    out = {}
+    for key, path in SUMMARY.items():
+        head = path.split(".")[0]
+        sub = (pool["properties"][head] if "." not in path and head in POOL_EXTRA
+               else _type(_path_type(P.Pool, path, POOL_EXTRA), defs))
+        extra = SUMMARY_EXTRA.get(key)
+        if extra:
+            sub = copy.deepcopy(defs[sub["$ref"].rsplit("/", 1)[1]])
+            for k, p in extra.items():
+                sub["properties"][k] = _type(_path_type(P.Pool, p, POOL_EXTRA), defs)
+                sub["required"].append(k)
+        out[key] = sub
+    return out
 
 
 def generate() -> dict[str, Any]:
+    """The whole schema from the types and the codec's tables (no key listed here)."""
     defs: dict[str, Any] = {"Objective": {"enum": list(typing.get_args(P.Objective))}}
-    t = lambda tp: _type(tp, defs)  # noqa: E731 - one short name for the many fields below
-    deployment = t(P.Deployment)  # walks every type once
-    del deployment
-    perf = {"$ref": "#/$defs/performance_block"}
+    _type(P.Deployment, defs)  # walks every type once
     defs["performance_block"] = _performance_block(defs)
-    whole = json.loads(json.dumps(defs["performance_block"]))
-    whole["anyOf"][0]["properties"].update({"gpus": {"type": "integer"},
-                                            "output_tokens_per_s_per_gpu": {"type": "number"}})
-    whole["anyOf"][0]["required"] += ["gpus", "output_tokens_per_s_per_gpu"]
+    perf = {"$ref": "#/$defs/performance_block"}
+    whole = copy.deepcopy(defs["performance_block"])
+    whole["anyOf"][0]["properties"].update(
+        {k: _type(tp, defs) for k, tp in DEPLOYMENT_PERF_EXTRA.items()})
+    whole["anyOf"][0]["required"] += list(DEPLOYMENT_PERF_EXTRA)
     defs["deployment_performance_block"] = whole
-    pool = json.loads(json.dumps(defs["Pool"]))
-    pool["properties"].update({"parallel": t(P.Parallel), "vllm_args": t(tuple[str, ...]),
-                               "performance": perf})
-    pool["required"] += ["parallel", "vllm_args"]
+    pool = copy.deepcopy(defs["Pool"])
+    pool["properties"].update({k: _type(tp, defs) for k, tp in POOL_EXTRA.items()})
+    pool["properties"]["performance"] = perf
+    pool["required"] += list(POOL_EXTRA)
     defs["pool_block"] = pool
-    alt = json.loads(json.dumps(defs["Alternative"]))
+    alt = copy.deepcopy(defs["Alternative"])
     alt["properties"]["performance"] = perf
     defs["alternative_block"] = alt
-    # the top level below and pool_block are the JSON forms of these two (keys renamed, blocks
+    block = {"performance": {"$ref": "#/$defs/deployment_performance_block"},
+             "runners_up": {"type": "array", "items": {"$ref": "#/$defs/alternative_block"}},
+             "pools": {"type": "array", "items": {"$ref": "#/$defs/pool_block"},
+                       "minItems": 1}}
+    props: dict[str, Any] = {}
+    optional = set(OMIT_IF_NONE[P.Deployment])
+    for f in dataclasses.fields(P.Deployment):
+        if f.name == "pools":
+            continue
+        tp = hints(P.Deployment)[f.name]
+        props[JSON_KEY[P.Deployment].get(f.name, f.name)] = block.get(f.name) or _type(
+            _strip_none(tp) if f.name in optional else tp, defs)  # omitted, never null
+        if f.name == SUMMARY_AFTER:
+            props.update(_summary(defs, pool))
+    props["pools"] = block["pools"]
+    # the top level and pool_block are the JSON forms of these two (keys renamed, blocks
     # added): their field-by-field entries would describe no document
     del defs["Deployment"], defs["Pool"]
-    top_parallel = json.loads(json.dumps(defs["Parallel"]))
-    top_parallel["properties"]["distributed_executor_backend"] = {"type": "string"}
-    top_parallel["required"].append("distributed_executor_backend")
-    e = hints(P.EngineConfig)
-    props = {
-        "fits": t(bool), "model": t(P.ModelRef), "gpus": t(P.HardwareRef),
-        "parallel": top_parallel,
-        "gpu_memory_utilization": t(e["gpu_memory_utilization"]),
-        "max_model_len": t(e["max_model_len"]), "max_num_seqs": t(e["max_num_seqs"]),
-        "max_num_batched_tokens": t(e["max_num_batched_tokens"]),
-        "enable_chunked_prefill": t(bool), "enforce_eager": t(bool),
-        "kv_cache": t(P.KVCache), "per_gpu": t(P.PerGpuBudget), "max_concurrency": t(float),
-        "candidates": t(P.SearchCounts), "per_stage": t(tuple[P.Stage, ...]),
-        "vllm_version": t(str), "vllm_args": t(tuple[str, ...]), "env": t(Mapping[str, str]),
-        "reasons": t(tuple[P.Reason, ...]), "warnings": t(tuple[P.Reason, ...]),
-        "suggestions": t(tuple[P.Reason, ...]),
-        "alternatives": {"type": "array", "items": {"$ref": "#/$defs/alternative_block"}},
-        "performance": {"$ref": "#/$defs/deployment_performance_block"},
-        "problem": t(str | None), "serving": t(P.Serving | None),
-        "startup": t(P.Startup | None), "autoscaling": t(P.Autoscaling | None),
-        "objective": t(P.Objective), "workload": t(P.Workload | None),
-        "slo": t(P.SLO | None), "deployment": t(P.Kind),
-        "pools": {"type": "array", "items": {"$ref": "#/$defs/pool_block"}, "minItems": 1},
-        "tuned": t(Mapping[str, Any]),
-    }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://vlaunch/schemas/plan.json",
         "title": "vlaunch plan",
         "description": "`vlaunch plan --format json` and plan.json from --emit: the codec's dump "
                        "of a Deployment (launcher/deployment), generated by "
-                       "launcher/deployment/schema.py. The top-level keys before `deployment` "
-                       "are the aggregated pool's, kept for scripts; `pools` holds each pool "
-                       "whole. max_concurrency is vLLM's 'Maximum concurrency' (full-length "
-                       "requests the KV cache holds), never a load.",
-        "type": "object", "properties": props, "required": [k for k in props if k != "tuned"],
+                       "launcher/deployment/schema.py from its types and the codec's tables. "
+                       "The keys from `parallel` to `autoscaling` are the first pool's, kept for "
+                       "scripts; `pools` holds each pool whole. max_concurrency is vLLM's "
+                       "'Maximum concurrency' (full-length requests the KV cache holds), never "
+                       "a load.",
+        "type": "object", "properties": props,
+        "required": [k for k in props
+                     if k not in {JSON_KEY[P.Deployment].get(n, n) for n in optional}],
         "additionalProperties": False, "$defs": dict(sorted(defs.items())),
     }
 

@@ -117,6 +117,28 @@ def test_fake_engines_serve_through_the_proxy_and_stop_together(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_a_signal_during_start_up_stops_both_engines_at_once(tmp_path):
+    """The one handler forwards the signal to every engine: the start-up wait ends at once (not
+    at --startup-timeout), exit 128 + SIGTERM, nothing left running."""
+    model = tmp_path / "small"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMALL_CONFIG))
+    proc = _start(str(model), tmp_path,
+                  {"VLAUNCH_VLLM_COMMAND": f"{sys.executable} {FAKE} serve",
+                   "VLAUNCH_CACHE_DIR": str(tmp_path / "cache"), "FAKE_VLLM_MODE": "hang"},
+                  "--startup-timeout", "600")
+    try:
+        _wait_for(proc, r"P/D proxy: http://127\.0\.0\.1:\d+", 60)
+        deadline = time.monotonic() + 60
+        while len(psutil.Process(proc.pid).children()) < 2:  # both engines started
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        _stop_and_check(proc, 30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_one_gpu_cannot_be_split(tmp_path):
     r = subprocess.run([sys.executable, "-m", "launcher.cli", "serve", "llama-3.1-8b", "--gpus",
                         "1xH100", "--disaggregate", "on", "--dry-run"], cwd=ROOT,

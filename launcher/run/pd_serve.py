@@ -5,8 +5,10 @@ Each engine runs under the same supervision as an aggregated one (`runner.VllmRu
 process group, readiness on /health and /v1/models, a log per engine); then the proxy
 (`pd_proxy.PDProxy`) listens on `--port` and one short completion goes through it, so a
 deployment said to serve has moved a prompt's KV from one engine to the other. A signal
-(SIGTERM, SIGINT, SIGHUP) stops both engines and the proxy and exits 128 + the signal; an engine
-that dies takes the other down with it (exit 1): a half deployment serves nobody.
+(SIGTERM, SIGINT, SIGHUP) is forwarded to both engines at once (`runner.forward_signals`, the
+handler `serve` uses for one), so a start-up or smoke wait ends at once; both engines and the
+proxy stop and the exit is 128 + the signal; an engine that dies takes the other down with it
+(exit 1): a half deployment serves nobody.
 
 The connector: NixlConnector on GPUs (the production path llm-d deploys); on the CPU engine
 ExampleConnector, which moves KV through a folder both engines share (vLLM's NIXL CPU path
@@ -19,10 +21,9 @@ decode engine rather than loaded (v1/example_connector.py align_to_block_size).
 from __future__ import annotations
 
 import contextlib
-import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,10 +40,8 @@ from ..term import width
 from .drain import DEFAULT_STOP_TIMEOUT_S
 from .endpoint import Endpoint
 from .pd_proxy import PDProxy, Upstream
-from .runner import VllmRunner
+from .runner import VllmRunner, forward_signals
 from .vllmargs import free_port
-
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -83,24 +82,6 @@ def pool_launches(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *
     return out
 
 
-@contextlib.contextmanager
-def _stop_on_signal(got: list[int], wake: threading.Event) -> Iterator[None]:
-    previous = {}
-
-    def handler(signum, frame):  # noqa: ARG001
-        if not got:
-            got.append(signum)
-        wake.set()
-
-    for s in SIGNALS:
-        previous[s] = signal.signal(s, handler)
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
 def serve_disaggregated(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[str], *,
                         port: int | None, host: str | None = None, log_dir: Path,
                         dry_run: bool = False, startup_timeout: float | None = None,
@@ -128,9 +109,17 @@ def serve_disaggregated(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[s
             return 0
         got: list[int] = []
         wake = threading.Event()
-        stack.enter_context(_stop_on_signal(got, wake))
-        runners = []
+
+        def stopped(signum: int) -> None:
+            if not got:
+                got.append(signum)
+            wake.set()
+
+        runners: list[VllmRunner] = []
+        stack.enter_context(forward_signals(runners, on_signal=stopped))
         for pl, p in zip(launches, engine_ports, strict=True):
+            if got:  # a signal before every engine started: start no more
+                return 128 + got[0]
             r = VllmRunner([*pl.args, "--port", str(p)], dict(pl.env),
                            log_path=log_dir / f"vllm-{pl.role}.log",
                            startup_timeout=startup_timeout or 900.0, grace_period=stop_timeout)
@@ -163,7 +152,7 @@ def serve_disaggregated(spec: ModelSpec, hw: Hardware, pins: Pins, extra: list[s
             on_ready(proxy, runners)
         while not wake.wait(0.5):
             for pl, r in zip(launches, runners, strict=True):
-                if r.poll() is not None:
+                if r.poll() is not None and not got:  # not the exit a signal asked for
                     out(f"the {pl.role} engine exited ({r.returncode}); stopping the other "
                         f"(log: {r.log_path})")
                     return 1

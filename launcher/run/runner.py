@@ -69,6 +69,9 @@ from .vllmargs import (
     vllm_command,
 )
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a run: ^C, a stop, a lost terminal (each ends with 128 + the signal)."""
+
 
 @dataclass
 class StartupOutcome:
@@ -337,33 +340,26 @@ class VllmRunner:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    @contextlib.contextmanager
-    def forward_signals(
-        self, signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    ) -> Iterator[None]:
-        """While inside, SIGINT/SIGTERM/SIGHUP sent to us are forwarded to vLLM's group
-        (SIGHUP as SIGTERM: a lost terminal is a stop, and vLLM drains only on TERM/INT).
+    def forward_signals(self, signals: Sequence[int] = SIGNALS
+                        ) -> contextlib.AbstractContextManager[None]:
+        """While inside, SIGINT/SIGTERM/SIGHUP sent to us are forwarded to vLLM's group (see
+        `forward` and the module's `forward_signals`, which does it for several runners).
 
         The handler only forwards and records `interrupted`; `wait_ready()`, `smoke_test()`
         and `wait()` notice it and finish the job with `stop()` (SIGKILL after the grace
         period). Main thread only.
         """
-        previous = {}
+        return forward_signals([self], signals)
 
-        def handler(signum, frame):  # noqa: ARG001 - signal handler signature
-            self.interrupted = signum
-            self._stop_requested = True
-            if self._group is not None:
-                self._signalled = True
-                self._group.signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
-
-        for s in signals:
-            previous[s] = signal.signal(s, handler)
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+    def forward(self, signum: int) -> None:
+        """Take signal `signum` as ours: record it and pass it to vLLM's group (SIGHUP as
+        SIGTERM: a lost terminal is a stop, and vLLM drains only on TERM/INT). Safe in a
+        signal handler: it sets flags and sends a signal, nothing more."""
+        self.interrupted = signum
+        self._stop_requested = True
+        if self._group is not None:
+            self._signalled = True
+            self._group.signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
     # --- readiness ---------------------------------------------------------------------------
 
@@ -453,3 +449,27 @@ class VllmRunner:
     def read_actual(self) -> Actual:
         """What vLLM allocated: the log's numbers, overridden by /metrics where it has them."""
         return self.endpoint.read_actual(self.log_text())
+
+
+@contextlib.contextmanager
+def forward_signals(runners: Sequence[VllmRunner], signals: Sequence[int] = SIGNALS,
+                    on_signal: Callable[[int], None] | None = None) -> Iterator[None]:
+    """While inside, each of `signals` is forwarded to every runner in `runners` (read when
+    the signal arrives, so runners appended later get it too), then `on_signal(signum)` runs;
+    the previous handlers come back on exit. One handler for one engine (`vlaunch serve`) or
+    several (a P/D deployment's prefill and decode engines). Main thread only."""
+    previous = {}
+
+    def handler(signum, frame):  # noqa: ARG001 - signal handler signature
+        for r in list(runners):
+            r.forward(signum)
+        if on_signal is not None:
+            on_signal(signum)
+
+    for s in signals:
+        previous[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -107,6 +107,14 @@ def test_every_field_is_in_the_schema_with_its_type_and_nothing_else(cls):
         assert f_required <= set(body["required"])
 
 
+def test_the_top_level_writes_every_deployment_field_once_and_the_summary_keys():
+    sources = [src for _, src in codec.top_level()]
+    fields = [s for s in sources if not s.startswith(codec.POOL)]
+    assert sorted(fields) == sorted(f.name for f in dataclasses.fields(P.Deployment))
+    assert [k for k, s in codec.top_level() if s.startswith(codec.POOL)] == list(codec.SUMMARY)
+    assert list(SCHEMA["properties"]) == [k for k, _ in codec.top_level()]
+
+
 def test_a_summary_key_has_the_schema_of_its_place_in_the_pool():
     pool = DEFS["pool_block"]
     for key, path in codec.SUMMARY.items():

@@ -1,9 +1,9 @@
 """The one (de)serialiser of a Deployment: `dump(d) -> dict`, `load(dict) -> Deployment`.
 
-`load(dump(d)) == d`. The JSON is the Deployment's fields, plus the keys scripts read since
-before pools existed (`parallel`, `max_model_len`, ..., `vllm_args`, `env`, `serving`: the
-`SUMMARY` table), read from the first pool, then `pools` (each pool whole, with its `engine`:
-every vLLM flag's value). `load` reads the pools and
+`load(dump(d)) == d`. The JSON is the Deployment's fields, among them the keys scripts read
+since before pools existed (`parallel`, `max_model_len`, ..., `vllm_args`, `env`, `serving`),
+read from the first pool, and `pools` (each pool whole, with its `engine`: every vLLM flag's
+value): the `TOP` table says which and in what order. `load` reads the pools and
 the deployment's own fields, type by type from the dataclasses' annotations, and says in one
 line which field is missing or wrong (an `InputError`: exit 2), so no other module needs to
 subscript a plan dict.
@@ -29,10 +29,9 @@ FIX = "re-emit it with `vlaunch plan MODEL --emit DIR`"
 EXTRA_KEYS: dict[type, dict[str, Any]] = {
     P.HardwareRef: {"count": int},
 }
-# a field whose JSON key differs from its name (the names scripts have read since before pools)
-JSON_KEY: dict[type, dict[str, str]] = {
-    P.Deployment: {"hardware": "gpus", "kind": "deployment", "runners_up": "alternatives"},
-}
+# a field whose JSON key differs from its name (the names scripts have read since before pools;
+# the Deployment's come from TOP below)
+JSON_KEY: dict[type, dict[str, str]] = {}
 # fields written only when set (the model's provenance, as the plan has always written it)
 OMIT_IF_NONE: dict[type, tuple[str, ...]] = {
     P.ModelRef: ("revision", "commit", "params_by_dtype", "checkpoint_params"),
@@ -40,23 +39,41 @@ OMIT_IF_NONE: dict[type, tuple[str, ...]] = {
     P.Deployment: ("tuned",),
 }
 
-# The top level of the plan's JSON is the Deployment's fields (by JSON_KEY) and, right after
-# `gpus`, the summary keys scripts have read since before pools: each one the first pool's JSON
-# at a path; `pools` comes last, each pool whole. deployment/schema.py types every one of them
-# from the same tables, so the schema and the dump cannot disagree.
-SUMMARY: dict[str, str] = {
-    "parallel": "parallel",
-    "gpu_memory_utilization": "engine.gpu_memory_utilization",
-    "max_model_len": "engine.max_model_len",
-    "max_num_seqs": "engine.max_num_seqs",
-    "max_num_batched_tokens": "engine.max_num_batched_tokens",
-    "enable_chunked_prefill": "engine.enable_chunked_prefill",
-    "enforce_eager": "engine.enforce_eager",
-    "kv_cache": "kv_cache", "per_gpu": "per_gpu", "max_concurrency": "max_concurrency",
-    "per_stage": "per_stage", "vllm_args": "vllm_args", "env": "env", "serving": "serving",
-    "startup": "startup", "autoscaling": "autoscaling",
+# The top level of the plan's JSON, in its order: each key is a field of the Deployment, or
+# (`pool:PATH`) a summary key scripts have read since before pools, the first pool's JSON at
+# PATH. A Deployment field TOP does not name is written after these, under its own name, so a
+# new field needs no edit here. deployment/schema.py types every key from the same table.
+TOP: dict[str, str] = {
+    "fits": "fits", "model": "model", "gpus": "hardware",
+    "parallel": "pool:parallel",
+    "gpu_memory_utilization": "pool:engine.gpu_memory_utilization",
+    "max_model_len": "pool:engine.max_model_len",
+    "max_num_seqs": "pool:engine.max_num_seqs",
+    "max_num_batched_tokens": "pool:engine.max_num_batched_tokens",
+    "enable_chunked_prefill": "pool:engine.enable_chunked_prefill",
+    "enforce_eager": "pool:engine.enforce_eager",
+    "kv_cache": "pool:kv_cache", "per_gpu": "pool:per_gpu",
+    "max_concurrency": "pool:max_concurrency", "candidates": "candidates",
+    "per_stage": "pool:per_stage", "vllm_version": "vllm_version", "vllm_args": "pool:vllm_args",
+    "env": "pool:env", "reasons": "reasons", "warnings": "warnings",
+    "suggestions": "suggestions", "alternatives": "runners_up", "performance": "performance",
+    "problem": "problem", "serving": "pool:serving", "startup": "pool:startup",
+    "autoscaling": "pool:autoscaling", "objective": "objective", "workload": "workload",
+    "slo": "slo", "deployment": "kind", "pools": "pools", "tuned": "tuned",
 }
-SUMMARY_AFTER = "hardware"
+POOL = "pool:"
+SUMMARY: dict[str, str] = {k: v[len(POOL):] for k, v in TOP.items() if v.startswith(POOL)}
+JSON_KEY[P.Deployment] = {v: k for k, v in TOP.items() if not v.startswith(POOL) and k != v}
+
+
+def top_level() -> list[tuple[str, str]]:
+    """(JSON key, source) of each top-level key in order: TOP's, then any Deployment field it
+    does not name."""
+    named = {v for v in TOP.values() if not v.startswith(POOL)}
+    return [*TOP.items(), *((f.name, f.name) for f in dataclasses.fields(P.Deployment)
+                            if f.name not in named)]
+
+
 # keys a summary object carries beyond its pool's (path in the same pool's JSON)
 SUMMARY_EXTRA: dict[str, dict[str, str]] = {
     "parallel": {"distributed_executor_backend": "engine.distributed_executor_backend"},
@@ -148,20 +165,20 @@ def _summary(first: dict[str, Any]) -> dict[str, Any]:
 
 
 def dump(d: P.Deployment) -> dict[str, Any]:
-    """The plan's JSON (`vlaunch plan --format json`, plan.json)."""
+    """The plan's JSON (`vlaunch plan --format json`, plan.json): `top_level()`'s keys."""
     pools = [pool_json(d, p) for p in d.pools]
-    block = {"performance": lambda: _deployment_performance(d),
+    summary = _summary(pools[0])
+    block = {"performance": lambda: _deployment_performance(d), "pools": lambda: pools,
              "runners_up": lambda: [_alternative_json(d, a) for a in d.runners_up]}
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(P.Deployment):
-        v = getattr(d, f.name)
-        if f.name == "pools" or v is None and f.name in OMIT_IF_NONE[P.Deployment]:
+    for key, source in top_level():
+        if source.startswith(POOL):
+            out[key] = summary[key]
             continue
-        out[JSON_KEY[P.Deployment].get(f.name, f.name)] = (
-            block[f.name]() if f.name in block else to_json(v))
-        if f.name == SUMMARY_AFTER:
-            out.update(_summary(pools[0]))
-    out["pools"] = pools
+        v = getattr(d, source)
+        if v is None and source in OMIT_IF_NONE[P.Deployment]:
+            continue
+        out[key] = block[source]() if source in block else to_json(v)
     return out
 
 

@@ -10,10 +10,9 @@ import shlex
 
 from .deployment import plan as P
 from .deployment.argv import engine_argv, pool_argv
+from .inputs.hardware import GiB
 from .predict.features.capabilities import serve_argv
 from .redact import redact_args, redact_env
-
-GiB = 1 << 30
 
 _SEGMENTS = (("weights_bytes", "W", "weights"), ("activation_bytes", "A", "activations"),
              ("cudagraph_bytes", "G", "CUDA graphs"), ("non_torch_bytes", "N", "non-torch"),

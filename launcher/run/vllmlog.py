@@ -34,8 +34,6 @@ from ..inputs.vllm_failures import (  # noqa: F401 - the kinds serve and tune co
     to_failure,
 )
 
-GIB = 1 << 30
-
 # Start-up phases in the order vLLM goes through them. CPU has no graph capture; a phase may
 # be skipped, but it never goes backwards.
 PHASES = (

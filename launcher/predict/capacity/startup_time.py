@@ -28,8 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-GiB = 1 << 30
-MiB = 1 << 20
+from ...inputs.hardware import GiB, MiB
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,9 @@ import math
 from dataclasses import dataclass
 
 from ...inputs.arch import Tensor, cache_layout
+from ...inputs.hardware import GiB, MiB  # noqa: F401 - the units, defined once; re-exported
 from ...inputs.model import DTYPE_BYTES, ModelSpec, Quant
 from . import kvcache as K
-
-GiB = 1 << 30
-MiB = 1 << 20
 
 VOCAB_PADDING = 64
 """vLLM pads vocab-parallel embeddings to a multiple of 64 (DEFAULT_VOCAB_PADDING_SIZE)."""

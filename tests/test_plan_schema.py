@@ -191,6 +191,19 @@ def test_a_serving_reasons_numbers_are_the_decisions():
         assert e.reason.data["buffer_bytes"] == e.buffer_bytes_per_gpu
 
 
+def test_an_mtp_options_figure_carries_its_numbers():
+    d = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"), Pins(),
+                  suggest=False).deployment()
+    judged = [o for o in d.pool.serving.speculative.options if "figure" in o]
+    assert judged
+    for o in judged:
+        k = o["knee"]
+        if k is not None:  # the sentence is made from these numbers
+            assert f"{k['output_tokens_per_s']:,.0f} output tok/s" in o["figure"]
+            assert f"TPOT {k['tpot_ms']:.1f} ms" in o["figure"]
+        assert o["single_request"]["tpot_ms"] > 0
+
+
 def test_perturbed_serving_reasons_round_trip():
     rng = random.Random(33)
     d = make_plan(load_model("deepseek-r1"), parse_gpus("8xH200"), Pins(),

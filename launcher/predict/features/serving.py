@@ -128,7 +128,9 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Sp
         if j is not None:
             note["kv_tokens"] = j.cand.tokens
             note["layout"] = j.cand.label()
-            if j.perf is not None:
+            if j.perf is not None:  # the deciding figure's numbers, then its sentence
+                note["single_request"] = j.perf.single.to_dict()
+                note["knee"] = j.perf.knee.to_dict() if j.perf.knee else None
                 note["figure"] = rank.figure(j.perf, goal.objective)
         options.append(note)
     off = functools.partial(off, options=tuple(options))

@@ -219,3 +219,29 @@ def test_perturbed_serving_reasons_round_trip():
                                            reason=why if rng.random() < 0.5 else None))
         dn = dataclasses.replace(d, pools=(dataclasses.replace(d.pool, serving=s),))
         assert load(json.loads(json.dumps(dump(dn)))) == dn, n
+
+
+def test_no_code_decides_by_a_reasons_text():
+    """A reason's `text` is for people: no module of launcher/ compares it, tests it with `in`,
+    startswith/endswith/find, or a regex (decide by `code` and `data`). By AST, over every
+    attribute named `text`."""
+    import ast
+    from pathlib import Path
+
+    def is_text(e: ast.AST) -> bool:
+        return isinstance(e, ast.Attribute) and e.attr == "text"
+
+    def decides(n: ast.AST) -> bool:
+        if isinstance(n, ast.Compare):
+            return any(map(is_text, [n.left, *n.comparators]))
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+            return False
+        if n.func.attr in ("startswith", "endswith", "find", "index", "count"):
+            return is_text(n.func.value)
+        return n.func.attr in ("search", "match", "fullmatch", "findall") and any(
+            map(is_text, n.args))
+
+    hits = [f"{p.name}:{n.lineno}"
+            for p in (Path(__file__).resolve().parent.parent / "launcher").rglob("*.py")
+            for n in ast.walk(ast.parse(p.read_text())) if decides(n)]
+    assert hits == []

@@ -163,16 +163,14 @@ def pool_lines(d: P.Deployment) -> list[str]:
 
 
 def _node_commands(d: P.Deployment) -> list[str]:
-    from .deployment.codec import dump
     from .run.multinode import build_launch
 
     out = []
     nodes = d.hardware.nodes
-    raw = dump(d)
     for rank in (0, 1):
         env = {"LWS_LEADER_ADDRESS": "LEADER_IP", "LWS_GROUP_SIZE": str(nodes),
                "LWS_WORKER_INDEX": str(rank)}
-        launch = build_launch(raw, env)
+        launch = build_launch(d, env)
         who = "leader (node 0)" if rank == 0 else (
             "worker (node 1)" + ("; nodes 2 and up differ only in their rank" if nodes > 2 else ""))
         out.append(f"    {who}:")

@@ -151,7 +151,6 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
     import os
     from pathlib import Path
 
-    from ..deployment.codec import dump
     from ..run.emit import load_plan
     from ..run.exec_check import check_exec_plan
 
@@ -167,7 +166,7 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
         from ..run.multinode import build_launch
         from ..run.serve import run_node
 
-        launch = build_launch(dump(dep), role=role, plan_dir=plan_dir)
+        launch = build_launch(dep, role=role, plan_dir=plan_dir)
         log_dir = Path(opts["log_dir"])
         log_dir.mkdir(parents=True, exist_ok=True)
         as_json = opts["fmt"] == "json"

@@ -50,6 +50,9 @@ def engine_values(e: EngineConfig) -> list[tuple[str, Any]]:
                                 "num_speculative_tokens": s.num_speculative_tokens}
          if s else None),
         ("all2all_backend", e.all2all_backend),
+        ("enable_eplb", e.enable_eplb),
+        ("eplb_config", {"num_redundant_experts": e.num_redundant_experts}
+         if e.enable_eplb and e.num_redundant_experts else None),
         ("enable_reasoning", bool(e.reasoning_parser) and e.enable_reasoning),
         ("reasoning_parser", e.reasoning_parser),
         ("tool_call_parser", e.tool_call_parser),

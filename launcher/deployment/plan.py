@@ -185,6 +185,8 @@ class EngineConfig:
     chat_template: str | None = None
     tokenizer_mode: str | None = None
     distributed_executor_backend: str = "mp"
+    enable_eplb: bool = False  # vLLM's expert-parallel load balancer (predict/features/eplb.py)
+    num_redundant_experts: int | None = None  # --eplb-config's, with enable_eplb
 
 
 @dataclass(frozen=True)
@@ -267,10 +269,26 @@ class EPBackend:
 
 
 @dataclass(frozen=True)
+class EPLB:
+    """The expert-parallel load balancer decision (predict/features/eplb.py): on or off, its
+    redundant experts and the bytes they take from each GPU's KV cache, and why."""
+
+    applies: bool
+    enabled: bool
+    pinned: bool
+    ep_size: int
+    num_redundant_experts: int
+    slots_per_rank: int
+    bytes_per_gpu: int
+    reason: Reason | None = None
+
+
+@dataclass(frozen=True)
 class Serving:
     speculative: Speculative
     parsers: Parsers
     ep_backend: EPBackend
+    eplb: EPLB | None = None
 
 
 @dataclass(frozen=True)

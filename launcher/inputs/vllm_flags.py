@@ -49,6 +49,7 @@ REVISION = "revision"  # a Hub branch, tag or commit
 MODEL = "model"  # exactly the plan's own model
 PATH = "path"  # a file inside the model's folder or the plan's folder
 SPECULATIVE = "speculative"  # {"method": NAME, "num_speculative_tokens": COUNT}, nothing else
+EPLB = "eplb"  # {"num_redundant_experts": COUNT}, nothing else
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,12 @@ _FLAGS = (
                     "Pin the DP+EP all-to-all backend (e.g. deepep_low_latency).",
                     group="serving")),
     FlagSpec("speculative_config", JSON, ("-sc",), plan=SPECULATIVE, since="0.8.2"),
+    # EPLB (predict/features/eplb.py): vLLM's expert-parallel load balancer and the redundant
+    # experts it places (config/parallel.py ParallelConfig.enable_eplb, EPLBConfig)
+    FlagSpec("enable_eplb", SWITCH, plan=SWITCH, since="0.9.2",
+             pin=_p("--eplb", "eplb", "Pin vLLM's expert-parallel load balancer with its "
+                    "redundant experts (wide-EP MoE).", negatable=True, group="serving")),
+    FlagSpec("eplb_config", JSON, plan=EPLB, since="0.10.2"),
     # --- set by vlaunch at launch, never by a plan ----------------------------------------------
     FlagSpec("port", INT, suggest=True, note="serve picks a free one; the doctor may move it"),
     FlagSpec("host", STR, note="serve binds loopback unless told (launcher/run/exposure.py)"),
@@ -427,6 +434,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 _SERVED = re.compile(r"[^\x00-\x20\x7f-\x9f-][^\x00-\x1f\x7f-\x9f]{0,255}")
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./-]{0,254}")
 _SPEC_KEYS = {"method": NAME, "num_speculative_tokens": COUNT}
+_EPLB_KEYS = {"num_redundant_experts": COUNT}
 
 
 @dataclass(frozen=True)
@@ -476,12 +484,19 @@ def _check(f: FlagSpec, check: str, v: Any, ctx: PlanContext | None = None) -> s
         return "is not a file inside the model's folder or the plan's folder"
     if check == SPECULATIVE:
         return _check_speculative(v)
+    if check == EPLB:
+        return _check_object(v, _EPLB_KEYS, f)
     return "cannot be checked"
 
 
 def _check_speculative(v: Any) -> str | None:
     """MTP's config as the planner writes it (deployment/argv.py engine_values): a method name and a
     draft count; a `model`, a draft path or anything else names code or weights to load."""
+    return _check_object(v, _SPEC_KEYS, BY_DEST["speculative_config"])
+
+
+def _check_object(v: Any, keys: Mapping[str, str], f: FlagSpec) -> str | None:
+    """A JSON object flag as the planner writes it: only `keys`, each value passing its check."""
     try:
         obj = json.loads(v) if isinstance(v, str) else None
     except (ValueError, RecursionError):
@@ -489,10 +504,10 @@ def _check_speculative(v: Any) -> str | None:
     if not isinstance(obj, dict) or not obj:
         return "is not a JSON object"
     for key, val in obj.items():
-        check = _SPEC_KEYS.get(key)
+        check = keys.get(key)
         if check is None:
             return f"sets {str(key)[:40]!r}, which the planner never writes"
-        if _check(BY_DEST["speculative_config"], check, val) is not None:
+        if _check(f, check, val) is not None:
             return f"has {key}={val!r:.40}"
     return None
 

@@ -19,7 +19,7 @@ from ...errors import InputError
 from ...inputs.hardware import GiB
 from ..search import rank, search
 from ..speed import request_model as perf
-from . import ep_backend, serving_flags, speculative
+from . import ep_backend, eplb, serving_flags, speculative
 
 
 @dataclass
@@ -27,13 +27,14 @@ class Serving:
     parsers: serving_flags.ServingFlags = field(default_factory=serving_flags.ServingFlags)
     ep: ep_backend.Choice = field(default_factory=ep_backend.Choice)
     mtp: speculative.Decision = field(default_factory=speculative.Decision)
+    eplb: eplb.Decision = field(default_factory=eplb.Decision)
 
     def env(self) -> dict[str, str]:
         return self.ep.env()
 
     def to_dict(self) -> dict[str, Any]:
         return {"speculative": self.mtp.to_dict(), "parsers": self.parsers.to_dict(),
-                "ep_backend": self.ep.to_dict()}
+                "ep_backend": self.ep.to_dict(), "eplb": self.eplb.to_dict()}
 
 
 @dataclass
@@ -93,6 +94,10 @@ def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoice
             plan.reasons.append(Reason("all2all_backend", s.ep.reason,
                                        {"backend": s.ep.backend, "pinned": s.ep.pinned,
                                         "buffer_bytes": s.ep.buffer_bytes}))
+    if best.fits:
+        s.eplb = dataclasses.replace(best.eplb)
+        if (r := s.eplb.reason()) is not None:
+            plan.reasons.append(r)
     s.mtp = decision(plan, goal, res, best, mtp)
     if s.mtp.reason:
         plan.reasons.append(Reason("mtp.on" if s.mtp.enabled else "mtp.off", s.mtp.reason,

@@ -38,6 +38,7 @@ def _parallel(L: Any) -> D.Parallel:
 def _engine(plan: Any) -> D.EngineConfig:
     c, m, s = plan.chosen, plan.model, plan.serving
     spec = par = ep = None
+    eplb = s.eplb if s is not None and s.eplb.enabled else None
     if s is not None:
         if s.mtp.enabled:
             spec = D.SpeculativeConfig(s.mtp.method, s.mtp.k)
@@ -59,7 +60,9 @@ def _engine(plan: Any) -> D.EngineConfig:
         tool_call_parser=par.tool_call_parser if par else None,
         enable_auto_tool_choice=bool(par and par.tool_call_parser and par.auto_tool_choice),
         chat_template=par.chat_template if par else None,
-        tokenizer_mode=par.tokenizer_mode if par else None)
+        tokenizer_mode=par.tokenizer_mode if par else None,
+        enable_eplb=eplb is not None,
+        num_redundant_experts=eplb.num_redundant_experts if eplb is not None else None)
 
 
 def _kv(plan: Any) -> D.KVCache:

@@ -22,7 +22,7 @@ from typing import Any
 from ...inputs.hardware import Hardware
 from ...inputs.model import ModelSpec
 from ...inputs.workload import SLO, Workload
-from ..features import ep_backend, speculative
+from ..features import ep_backend, eplb, speculative
 from ..features.capabilities import VersionTraits, batch_defaults
 from ..memory import budget as B
 from ..memory.candidate_memory import Candidate, evaluate, layouts
@@ -97,6 +97,7 @@ class Judged:
     perf: Any = None  # perfplan.Assessment
     ep: ep_backend.Choice = field(default_factory=ep_backend.Choice)
     ep_note: str = ""  # why the backend's buffers were not taken, when they were not
+    eplb: eplb.Decision = field(default_factory=eplb.Decision)
     mtp: speculative.Cost | None = None
     value: tuple = ()
     capped_from: int | None = None  # max-num-seqs before the cap at the SLO knee
@@ -144,12 +145,32 @@ def memory(goal: Goal, k: Knobs) -> Judged:
             c = j.cand = new
         else:  # the planner keeps vLLM's default backend for this layout
             j.ep_note = new.problem
+    j.eplb, after = _eplb(goal, k, c, ep)
+    if j.eplb.blocked:
+        c.fits, c.problem = False, f"--eplb pinned, but {j.eplb.text[len('EPLB off: '):]}"
+        return j
+    if j.eplb.enabled:  # the redundant experts' weights come off the KV cache
+        c = j.cand = after
     if k.draft:
         cost = speculative.cost(goal.spec, c, k.draft)
         j.cand = speculative.with_draft(goal.spec, c, cost, goal.kv_pinned,
                                         goal.pins.kv_cache_memory_bytes)
         j.mtp = cost
     return j
+
+
+def _eplb(goal: Goal, k: Knobs, c: Candidate, ep: ep_backend.Choice
+          ) -> tuple[eplb.Decision, Candidate]:
+    """EPLB for `k`'s layout (features/eplb.py): proposed, then settled against the candidate
+    with the redundant experts' bytes taken from its KV cache (one stage: EPLB needs PP 1).
+    Returns the decision and the candidate it leaves (`c` itself when EPLB is off)."""
+    d = eplb.propose(goal.spec, goal.hw, k.layout, goal.traits.version, goal.pins.eplb,
+                     ep.backend if ep.applies else None)
+    if not d.enabled:
+        return d, c
+    after = rebudget(goal.spec, c, goal.kv_pinned, extra_weights_last=d.bytes_per_gpu,
+                     pinned_bytes=goal.pins.kv_cache_memory_bytes)
+    return eplb.settle(d, c, after, goal.workload), after
 
 
 def speed(goal: Goal, j: Judged, full: bool = True) -> Judged:

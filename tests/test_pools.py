@@ -227,7 +227,7 @@ def test_off_is_todays_plan_plus_its_reason():
     (["--prefill-tp", "4", "--decode-tp", "2", "--gpus", "8xH100"], "decode TP >= 4"),
     (["--prefill-tp", "2", "--decode-tp", "4", "--kv-connector", "MooncakeConnector",
       "--gpus", "8xH100"], "same tensor-parallel size"),
-    (["--disaggregate", "on", "--emit", "DIR", "--gpus", "8xH100"], "not emitted per pool"),
+    (["--disaggregate", "on", "--emit", "DIR", "--gpus", "8xH100"], "--role prefill or --role"),
 ])
 def test_bad_disaggregation_input_is_one_line(args, says, tmp_path):
     args = [str(tmp_path) if a == "DIR" else a for a in args]

@@ -556,7 +556,14 @@ PLAN_ENV = {
     "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "bit",
     "VLLM_ALL2ALL_BACKEND": NAME,
     "VLLM_CACHE_ROOT": "own",  # only the value this process's own environment gives
+    # a P/D pool's side of the KV hand-off (predict/features/connectors.py Transfer.env)
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "host",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "port",
+    "UCX_TLS": "words",
+    "UCX_NET_DEVICES": "words",
 }
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:-]{0,252}")  # an address or a host name
+_WORDS = re.compile(r"\^?[A-Za-z0-9_.:-]{1,64}(,\^?[A-Za-z0-9_.:-]{1,64}){0,31}")  # UCX lists
 
 
 def _own_cache_root(environ: Mapping[str, str]) -> str | None:
@@ -574,6 +581,10 @@ def _env_ok(check: str, text: str, environ: Mapping[str, str]) -> bool:
         return text in ("0", "1")
     if check == NAME:
         return _NAME.fullmatch(text) is not None
+    if check == "port":
+        return 1 <= (_number(text, int) or 0) <= 65535
+    if check in ("host", "words"):
+        return (_HOST if check == "host" else _WORDS).fullmatch(text) is not None
     return text == _own_cache_root(environ)
 
 

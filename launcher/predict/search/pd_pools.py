@@ -312,8 +312,11 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
         engine = pool.engine
         if role == "decode" and base.objective != "throughput":  # hold the TPOT SLO
             engine = dataclasses.replace(engine, max_num_seqs=max(1, math.floor(d1.running)))
+        scaling = (dataclasses.replace(pool.autoscaling, role=role)
+                   if pool.autoscaling is not None else None)
         pools.append(dataclasses.replace(pool, role=role, replicas=n, env={**pool.env, **env},
-                                         engine=engine, performance=perf, transfer=xfer))
+                                         engine=engine, performance=perf, transfer=xfer,
+                                         autoscaling=scaling))
     notes = (f"rate-matched {sp.prefill_replicas}P{sp.decode_replicas}D"
              + (f", {units} units of it" if units > 1 else "") + ": "
              f"{sp.bound} binds; the KV hand-off moves {sp.transfer.bytes_per_gpu / 1e6:,.1f} "

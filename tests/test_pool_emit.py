@@ -196,3 +196,41 @@ def test_a_tampered_pool_environment_is_refused(name, value, tmp_path):
     (tmp_path / "prefill" / "plan.json").write_text(json.dumps(j))
     _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics",
                    env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3"}), name)
+
+
+# ---- --kv-transfer-config in the flag table ----------------------------------------------------
+
+
+@pytest.mark.parametrize("config,ok", [
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda"}, True),
+    ({"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+      "kv_connector_extra_config": {"shared_storage_path": "/var/run/vlaunch-kv"}}, True),
+    ({"kv_connector": "NixlConnector", "kv_connector_module_path": "evil.module"}, False),
+    ({"kv_connector": "EvilConnector", "kv_role": "kv_both"}, False),
+    ({"kv_connector": "ExampleConnector",
+      "kv_connector_extra_config": {"shared_storage_path": "/etc"}}, False),
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_everything"}, False),
+    ({"kv_role": "kv_both"}, False),
+    ([], False),
+])
+def test_a_plans_kv_transfer_config_is_only_what_the_planner_writes(config, ok):
+    from launcher.inputs import vllm_flags as F
+
+    why = F.check_value("kv_transfer_config", json.dumps(config))
+    assert (why is None) == ok, why
+    assert F.available("kv_transfer_config", "0.6.5") and not F.available("kv_transfer_config",
+                                                                           "0.6.4")
+
+
+def test_exec_refuses_a_pool_whose_hand_off_was_rewritten(tmp_path):
+    """An attacker who rewrites plan.json consistently (the codec's own dump of an edited plan)
+    still cannot make exec import a module through the connector's config."""
+    folder = _emitted(tmp_path, "8xH100", "decode")
+    d = emit.load_plan(folder)
+    evil = [dataclasses.replace(p, transfer=dataclasses.replace(p.transfer, config={
+        **p.transfer.config, "kv_connector_module_path": "attacker.payload"})) for p in d.pools]
+    tampered = dump(dataclasses.replace(d, pools=tuple(evil)))
+    assert load(tampered).pool.transfer.config["kv_connector_module_path"]  # well formed
+    (tmp_path / "decode" / "plan.json").write_text(json.dumps(tampered))
+    _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics"),
+              "kv_connector_module_path")

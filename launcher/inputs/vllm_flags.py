@@ -49,6 +49,7 @@ REVISION = "revision"  # a Hub branch, tag or commit
 MODEL = "model"  # exactly the plan's own model
 PATH = "path"  # a file inside the model's folder or the plan's folder
 SPECULATIVE = "speculative"  # {"method": NAME, "num_speculative_tokens": COUNT}, nothing else
+KV_TRANSFER = "kv_transfer"  # {"kv_connector": a known connector, "kv_role", "kv_buffer_device"}
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,8 @@ _FLAGS = (
                     "Pin the DP+EP all-to-all backend (e.g. deepep_low_latency).",
                     group="serving")),
     FlagSpec("speculative_config", JSON, ("-sc",), plan=SPECULATIVE, since="0.8.2"),
+    FlagSpec("kv_transfer_config", JSON, plan=KV_TRANSFER, since="0.6.5",
+             note="a P/D pool's side of the KV hand-off (predict/features/connectors.py)"),
     # --- set by vlaunch at launch, never by a plan ----------------------------------------------
     FlagSpec("port", INT, suggest=True, note="serve picks a free one; the doctor may move it"),
     FlagSpec("host", STR, note="serve binds loopback unless told (launcher/run/exposure.py)"),
@@ -476,6 +479,8 @@ def _check(f: FlagSpec, check: str, v: Any, ctx: PlanContext | None = None) -> s
         return "is not a file inside the model's folder or the plan's folder"
     if check == SPECULATIVE:
         return _check_speculative(v)
+    if check == KV_TRANSFER:
+        return _check_kv_transfer(v)
     return "cannot be checked"
 
 
@@ -495,6 +500,37 @@ def _check_speculative(v: Any) -> str | None:
         if _check(BY_DEST["speculative_config"], check, val) is not None:
             return f"has {key}={val!r:.40}"
     return None
+
+
+_KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_KV_DEVICES = ("cuda", "cpu")
+_STORE = "/var/run/vlaunch-kv"  # ExampleConnector's store in a pod (predict/search/pd_pools.py)
+
+
+def _check_kv_transfer(v: Any) -> str | None:
+    """A pool's KVTransferConfig as the planner writes it (predict/features/connectors.py
+    Transfer.config): a connector the connector table knows, a kv_role, a buffer device, and
+    for a shared-store connector only its store. Never `kv_connector_module_path` (it imports a
+    module) or any field the planner does not write."""
+    from ..paths import profiles_dir, read_yaml
+
+    try:
+        obj = json.loads(v) if isinstance(v, str) else None
+    except (ValueError, RecursionError):
+        obj = None
+    if not isinstance(obj, dict) or not obj:
+        return "is not a JSON object"
+    known = read_yaml(profiles_dir() / "connectors.yaml")["connectors"]
+    for key, val in obj.items():
+        ok = {"kv_connector": lambda x: x in known, "kv_role": lambda x: x in _KV_ROLES,
+              "kv_buffer_device": lambda x: x in _KV_DEVICES,
+              "kv_connector_extra_config": lambda x: x == {"shared_storage_path": _STORE}
+              }.get(str(key))
+        if ok is None:
+            return f"sets {str(key)[:40]!r}, which the planner never writes"
+        if not (isinstance(val, (str, dict)) and ok(val)):
+            return f"has {key}={val!r:.40}"
+    return None if "kv_connector" in obj else "names no kv_connector"
 
 
 def _number(v: Any, kind: type) -> float | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InputError
+from ...inputs import vllm_flags
 from ...paths import profiles_dir, read_yaml
 from .capabilities import parse_version
 
@@ -95,8 +96,8 @@ class Transfer:
         return out
 
     def argv(self, version: str) -> list[str]:
-        return ["--kv-transfer-config", json.dumps(self.config(version), sort_keys=True,
-                                                   separators=(",", ":"))]
+        return vllm_flags.argv([("kv_transfer_config", json.dumps(
+            self.config(version), sort_keys=True, separators=(",", ":")))])
 
     def env(self) -> dict[str, str]:
         env: dict[str, str] = {}

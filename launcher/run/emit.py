@@ -36,6 +36,7 @@ from ..deployment.codec import dump, load
 from ..deployment.plan import Autoscaling, Deployment, Pool
 from ..errors import InputError
 from ..paths import atomic_write, loads_json, read_small_text, warn_if_foreign, warn_if_open_folder
+from ..predict.capacity.autoscaling import trigger_thresholds
 from ..predict.capacity.startup_time import NETWORK_VOLUME_BYTES_PER_S
 
 PLAN_FILE = "plan.json"
@@ -240,8 +241,9 @@ def scaled_object(a: Autoscaling | None, name: str = "vlaunch", kind: str = "Dep
     if namespace:
         selector = f'namespace="{namespace}", {selector}'
     queries = trigger_queries(selector)
-    thresholds = {"running": a.target_running_per_replica,
-                  "waiting": a.target_waiting_per_replica, "kv_usage": a.kv_usage_threshold}
+    # the pool role's triggers (a prefill pool on its queue, a decode pool on its batch and
+    # KV): the same thresholds the exporter's vlaunch_desired_replicas divides by
+    thresholds = trigger_thresholds(a)
     meta: dict[str, Any] = {"name": name,
                             "labels": {"app.kubernetes.io/name": "vlaunch",
                                        "app.kubernetes.io/component": a.role}}
@@ -259,7 +261,7 @@ def scaled_object(a: Autoscaling | None, name: str = "vlaunch", kind: str = "Dep
                           "metricType": "AverageValue",
                           "metadata": {"serverAddress": prometheus_url, "query": q,
                                        "threshold": f"{thresholds[key]:g}"}}
-                         for key, q in queries.items()],
+                         for key, q in queries.items() if key in thresholds],
         },
     }
 

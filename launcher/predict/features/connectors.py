@@ -111,6 +111,14 @@ class Transfer:
         return env
 
 
+def side_channel_ports(pool: Any) -> tuple[int, int]:
+    """The first and last NIXL side-channel port the engines of one replica of `pool` listen on
+    per node: its VLLM_NIXL_SIDE_CHANNEL_PORT plus each engine's local DP rank."""
+    base = int(pool.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    per_node = max(1, pool.engine.parallel.dp // max(1, pool.nodes_per_replica))
+    return base, base + per_node - 1
+
+
 def pool_transfers(connector: str, *, cpu: bool, store: str | None = None,
                    host: str = "127.0.0.1", rdma_devices: str | None = None
                    ) -> dict[str, Transfer]:

@@ -405,10 +405,11 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
 
     def plan_for(h: Hardware, role: str) -> Any:
         pinned = dataclasses.replace(pins, tp=tps[role]) if tps[role] else pins
-        plan = make_plan(spec, h, pinned, suggest=False, **goals)
+        # the pool's start-up reads its weights where the aggregated plan's would (--weights-from)
+        plan = make_plan(spec, h, pinned, suggest=False, load_path=load_path, **goals)
         if want := role_all2all(plan, role, pins):
             plan = make_plan(spec, h, dataclasses.replace(pinned, all2all_backend=want),
-                             suggest=False, **goals)
+                             suggest=False, load_path=load_path, **goals)
         return plan
 
     splits: list[Option] = []

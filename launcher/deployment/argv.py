@@ -14,12 +14,6 @@ from typing import Any
 from ..inputs import vllm_flags
 from .plan import EngineConfig, Pool
 
-KV_TRANSFER_FLAG = "--kv-transfer-config"
-"""vLLM's KVTransferConfig as JSON (vllm/engine/arg_utils.py EngineArgs.kv_transfer_config). Not
-in the flag table yet: the table's releases are read from every sdist since 0.6.0
-(tests/fixtures/vllm_flag_releases.csv, bench/flag_releases.py) and that reading has not been
-rerun for this flag; profiles/connectors.yaml gates the connectors and fields by release."""
-
 
 def engine_values(e: EngineConfig) -> list[tuple[str, Any]]:
     """Every flag the plan sets for engine `e`, as (vLLM dest, value)."""
@@ -71,7 +65,7 @@ def pool_argv(pool: Pool) -> list[str]:
     """vLLM's arguments for one engine of `pool`: its engine's, then its side of the KV
     hand-off (a prefill or decode pool)."""
     out = engine_argv(pool.engine)
-    if pool.transfer is not None:
-        out += [KV_TRANSFER_FLAG, json.dumps(dict(pool.transfer.config), sort_keys=True,
-                                             separators=(",", ":"))]
+    if pool.transfer is not None:  # vllm/engine/arg_utils.py EngineArgs.kv_transfer_config
+        out += vllm_flags.argv([("kv_transfer_config", json.dumps(
+            dict(pool.transfer.config), sort_keys=True, separators=(",", ":")))])
     return out

@@ -116,7 +116,7 @@ def dump(d: P.Deployment) -> dict[str, Any]:
         "candidates": to_json(d.candidates),
         "per_stage": to_json(pool.per_stage),
         "vllm_version": d.vllm_version,
-        "vllm_args": pools[0]["vllm_args"],
+        "vllm_args": pools[d.pools.index(pool)]["vllm_args"],
         "env": dict(pool.env),
         "reasons": to_json(d.reasons),
         "warnings": to_json(d.warnings),
@@ -133,6 +133,8 @@ def dump(d: P.Deployment) -> dict[str, Any]:
         "deployment": d.kind,
         "pools": pools,
         **({"tuned": to_json(d.tuned)} if d.tuned is not None else {}),
+        # only a pool's folder (`plan --role R --emit DIR`) says which pool it runs
+        **({"role": d.role} if d.role is not None else {}),
     }
 
 
@@ -266,6 +268,11 @@ def _check(d: P.Deployment, raw: dict[str, Any]) -> None:
             raise InputError(f"the plan's `{where}.vllm_args` differ from the arguments its "
                              f"`{where}.engine` gives ({' '.join(map(str, want))[:60]}...); "
                              f"edit the engine, not the argv, or {FIX}")
+    if d.role is not None and (d.kind != "disaggregated"
+                               or d.role not in {p.role for p in d.pools}):
+        raise InputError(f"the plan's `role` is {d.role!r} but it has no {d.role} pool (its "
+                         f"pools: {', '.join(p.role for p in d.pools)}); re-emit it with "
+                         "`vlaunch plan MODEL --disaggregate on --role prefill|decode --emit DIR`")
     hw = d.hardware
     for name, n in (("gpus.nodes", hw.nodes), ("gpus.gpus_per_node", hw.gpus_per_node)):
         if n < 1:

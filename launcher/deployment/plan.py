@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["aggregated", "prefill", "decode"]
+PoolRole = Literal["prefill", "decode"]
+"""The pools of a disaggregated deployment; one of them is what an emitted folder runs."""
 Kind = Literal["aggregated", "disaggregated"]
 Objective = Literal["balanced", "throughput", "latency"]
 
@@ -421,11 +423,20 @@ class Deployment:
     suggestions: tuple[Reason, ...] = ()
     runners_up: tuple[Alternative, ...] = ()
     tuned: Mapping[str, Any] | None = None  # `vlaunch tune`'s pick: its trial and measurement
+    role: PoolRole | None = None
+    """The pool of a disaggregated plan that this copy runs (`vlaunch plan --role R --emit DIR`:
+    one folder per pool, each holding the whole plan so that every pod of either pool agrees on
+    it); None: the whole plan, nothing chosen."""
 
     @property
     def pool(self) -> Pool:
-        """The first pool: the aggregated one, or the prefill pool of a disaggregated plan (the
-        top-level keys of the JSON have always meant this one)."""
+        """The pool this plan runs: the one `role` names, else the first (the aggregated one, or
+        the prefill pool of a disaggregated plan). The top-level keys of the JSON mean this
+        one, so a pool's folder reads like an aggregated plan of that pool."""
+        if self.role is not None:
+            for p in self.pools:
+                if p.role == self.role:
+                    return p
         return self.pools[0]
 
     @property
@@ -435,4 +446,4 @@ class Deployment:
 
     @property
     def engine(self) -> EngineConfig:
-        return self.pools[0].engine
+        return self.pool.engine

@@ -50,6 +50,7 @@ MODEL = "model"  # exactly the plan's own model
 PATH = "path"  # a file inside the model's folder or the plan's folder
 SPECULATIVE = "speculative"  # {"method": NAME, "num_speculative_tokens": COUNT}, nothing else
 EPLB = "eplb"  # {"num_redundant_experts": COUNT}, nothing else
+KV_TRANSFER = "kv_transfer"  # {"kv_connector": a known connector, "kv_role", "kv_buffer_device"}
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ _FLAGS = (
              pin=_p("--eplb", "eplb", "Pin vLLM's expert-parallel load balancer with its "
                     "redundant experts (wide-EP MoE).", negatable=True, group="serving")),
     FlagSpec("eplb_config", JSON, plan=EPLB, since="0.10.2"),
+    FlagSpec("kv_transfer_config", JSON, plan=KV_TRANSFER, since="0.6.5",
+             note="a P/D pool's side of the KV hand-off (predict/features/connectors.py)"),
     # --- set by vlaunch at launch, never by a plan ----------------------------------------------
     FlagSpec("port", INT, suggest=True, note="serve picks a free one; the doctor may move it"),
     FlagSpec("host", STR, note="serve binds loopback unless told (launcher/run/exposure.py)"),
@@ -486,6 +489,8 @@ def _check(f: FlagSpec, check: str, v: Any, ctx: PlanContext | None = None) -> s
         return _check_speculative(v)
     if check == EPLB:
         return _check_object(v, _EPLB_KEYS, f)
+    if check == KV_TRANSFER:
+        return _check_kv_transfer(v)
     return "cannot be checked"
 
 
@@ -510,6 +515,37 @@ def _check_object(v: Any, keys: Mapping[str, str], f: FlagSpec) -> str | None:
         if _check(f, check, val) is not None:
             return f"has {key}={val!r:.40}"
     return None
+
+
+_KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_KV_DEVICES = ("cuda", "cpu")
+_STORE = "/var/run/vlaunch-kv"  # ExampleConnector's store in a pod (predict/search/pd_pools.py)
+
+
+def _check_kv_transfer(v: Any) -> str | None:
+    """A pool's KVTransferConfig as the planner writes it (predict/features/connectors.py
+    Transfer.config): a connector the connector table knows, a kv_role, a buffer device, and
+    for a shared-store connector only its store. Never `kv_connector_module_path` (it imports a
+    module) or any field the planner does not write."""
+    from ..paths import profiles_dir, read_yaml
+
+    try:
+        obj = json.loads(v) if isinstance(v, str) else None
+    except (ValueError, RecursionError):
+        obj = None
+    if not isinstance(obj, dict) or not obj:
+        return "is not a JSON object"
+    known = read_yaml(profiles_dir() / "connectors.yaml")["connectors"]
+    for key, val in obj.items():
+        ok = {"kv_connector": lambda x: x in known, "kv_role": lambda x: x in _KV_ROLES,
+              "kv_buffer_device": lambda x: x in _KV_DEVICES,
+              "kv_connector_extra_config": lambda x: x == {"shared_storage_path": _STORE}
+              }.get(str(key))
+        if ok is None:
+            return f"sets {str(key)[:40]!r}, which the planner never writes"
+        if not (isinstance(val, (str, dict)) and ok(val)):
+            return f"has {key}={val!r:.40}"
+    return None if "kv_connector" in obj else "names no kv_connector"
 
 
 def _number(v: Any, kind: type) -> float | None:
@@ -571,7 +607,14 @@ PLAN_ENV = {
     "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "bit",
     "VLLM_ALL2ALL_BACKEND": NAME,
     "VLLM_CACHE_ROOT": "own",  # only the value this process's own environment gives
+    # a P/D pool's side of the KV hand-off (predict/features/connectors.py Transfer.env)
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "host",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "port",
+    "UCX_TLS": "words",
+    "UCX_NET_DEVICES": "words",
 }
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:-]{0,252}")  # an address or a host name
+_WORDS = re.compile(r"\^?[A-Za-z0-9_.:-]{1,64}(,\^?[A-Za-z0-9_.:-]{1,64}){0,31}")  # UCX lists
 
 
 def _own_cache_root(environ: Mapping[str, str]) -> str | None:
@@ -589,6 +632,10 @@ def _env_ok(check: str, text: str, environ: Mapping[str, str]) -> bool:
         return text in ("0", "1")
     if check == NAME:
         return _NAME.fullmatch(text) is not None
+    if check == "port":
+        return 1 <= (_number(text, int) or 0) <= 65535
+    if check in ("host", "words"):
+        return (_HOST if check == "host" else _WORDS).fullmatch(text) is not None
     return text == _own_cache_root(environ)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InputError
+from ...inputs import vllm_flags
 from ...paths import profiles_dir, read_yaml
 from .capabilities import parse_version
 
@@ -95,8 +96,8 @@ class Transfer:
         return out
 
     def argv(self, version: str) -> list[str]:
-        return ["--kv-transfer-config", json.dumps(self.config(version), sort_keys=True,
-                                                   separators=(",", ":"))]
+        return vllm_flags.argv([("kv_transfer_config", json.dumps(
+            self.config(version), sort_keys=True, separators=(",", ":")))])
 
     def env(self) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -108,6 +109,14 @@ class Transfer:
             env["UCX_TLS"] = RDMA_UCX_TLS
             env["UCX_NET_DEVICES"] = self.rdma_devices
         return env
+
+
+def side_channel_ports(pool: Any) -> tuple[int, int]:
+    """The first and last NIXL side-channel port the engines of one replica of `pool` listen on
+    per node: its VLLM_NIXL_SIDE_CHANNEL_PORT plus each engine's local DP rank."""
+    base = int(pool.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    per_node = max(1, pool.engine.parallel.dp // max(1, pool.nodes_per_replica))
+    return base, base + per_node - 1
 
 
 def pool_transfers(connector: str, *, cpu: bool, store: str | None = None,

@@ -270,7 +270,8 @@ def _transfer(o: Option, role: str, version: str) -> tuple[D.KVTransfer, dict[st
 
 
 def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SLO,
-                             reasons: tuple[D.Reason, ...]) -> D.Deployment:
+                             reasons: tuple[D.Reason, ...], scaling: Any = None
+                             ) -> D.Deployment:
     """The winning split as the Deployment every command reads: the prefill pool first (the
     JSON's top-level keys mean it), then the decode pool, each with its side of the hand-off.
     Its reasons open with the choice; the aggregated search's own reasons follow (they say why
@@ -321,6 +322,8 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
         (f"{o.connector}'s handshake, ~{sp.transfer.handshake_s:.0f} s per prefill-decode "
          "pair on the first request, is not in TTFT",) if sp.transfer.handshake_s else ())
     perf = _perf(_point(o, w, units), single, f"rate_matched:{sp.bound}", notes)
+    pools = [dataclasses.replace(p, autoscaling=_pool_autoscaling(p, p1, d1, sp, w, slo, perf,
+                                                                  scaling)) for p in pools]
     warnings = base.warnings
     if sp.transfer.path == "rdma" and any("VLLM_NIXL_SIDE_CHANNEL_PORT" in p.env for p in pools):
         warnings += (D.Reason(
@@ -331,6 +334,34 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
     return dataclasses.replace(base, kind="disaggregated", pools=tuple(pools), performance=perf,
                                reasons=reasons + base.reasons, warnings=warnings,
                                runners_up=())
+
+
+def _pool_autoscaling(pool: D.Pool, p1: Any, d1: Any, sp: Any, w: Workload, slo: SLO,
+                      perf: D.Performance, ask: Any) -> D.Autoscaling | None:
+    """A pool's own autoscaling (predict/capacity/autoscaling.py prefill_scaling,
+    decode_scaling), from the rate-matched figures this deployment was chosen on and the pool's
+    start-up; None for a pool without a start-up (a plan that does not fit)."""
+    from ...deployment.codec import build
+    from ..capacity import autoscaling as scale
+
+    if pool.startup is None:
+        return None
+    at = perf.at
+    in_system_s = (at.ttft_ms + max(w.output_len - 1, 0) * at.tpot_ms) / 1e3
+    dp = pool.engine.parallel.dp
+    common = {"replicas": pool.replicas, "dp": dp, "ttft_slo_ms": slo.ttft_ms,
+              "time_in_system_s": in_system_s, "kv_tokens_per_engine": pool.kv_cache.tokens,
+              "block_size": pool.kv_cache.block_size, "input_len": w.input_len,
+              "startup": pool.startup, "ask": ask}
+    if pool.role == "prefill":
+        a = scale.prefill_scaling(requests_per_s=p1.requests_per_s, prompt_s=p1.prompt_s,
+                                  fixed_s=p1.prompt_s + sp.transfer.seconds + d1.first_step_s,
+                                  derate=disagg.PREFILL_DERATE, **common)
+    else:
+        a = scale.decode_scaling(requests_per_s=d1.requests_per_s, running_per_engine=d1.running,
+                                 derate=disagg.DECODE_DERATE, ttft_ms=at.ttft_ms,
+                                 output_len=w.output_len, **common)
+    return build(D.Autoscaling, a.to_dict(), "autoscaling")
 
 
 @dataclass(frozen=True)
@@ -374,10 +405,11 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
 
     def plan_for(h: Hardware, role: str) -> Any:
         pinned = dataclasses.replace(pins, tp=tps[role]) if tps[role] else pins
-        plan = make_plan(spec, h, pinned, suggest=False, **goals)
+        # the pool's start-up reads its weights where the aggregated plan's would (--weights-from)
+        plan = make_plan(spec, h, pinned, suggest=False, load_path=load_path, **goals)
         if want := role_all2all(plan, role, pins):
             plan = make_plan(spec, h, dataclasses.replace(pinned, all2all_backend=want),
-                             suggest=False, **goals)
+                             suggest=False, load_path=load_path, **goals)
         return plan
 
     splits: list[Option] = []
@@ -395,7 +427,7 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
     choice = choose(aggregated_option(agg), splits, mode, obj, w)
     base = agg.deployment()
     if choice.winner is not None and choice.winner.kind == "disaggregated":
-        dep = disaggregated_deployment(choice.winner, base, w, s, choice.reasons)
+        dep = disaggregated_deployment(choice.winner, base, w, s, choice.reasons, scaling)
     else:
         dep = dataclasses.replace(base, reasons=base.reasons + choice.reasons)
     return Planned(dep, agg, choice)

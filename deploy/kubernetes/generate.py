@@ -248,6 +248,7 @@ def render(alerts: Path = ALERTS, dashboard: Path = DASHBOARD) -> dict[Path, str
             "--weights-from volume --emit` (deploy/kubernetes/generate.py).\n"
             + scaled_objects_text(plan, kind=kind))
     files.update(pd_files())
+    files.update(wide_ep_files())
     return files
 
 
@@ -325,6 +326,51 @@ def pd_files() -> dict[Path, str]:
             f"--max-replicas {most} --weights-from volume --emit` "
             "(deploy/kubernetes/generate.py).\n" + scaled_objects_text(plan))
         files[gen / "networkpolicy-kv.yaml"] = kv_network_policy(plan)
+    return files
+
+
+# ---- wide-EP decode over LeaderWorkerSet -------------------------------------------------------
+# Each wide-EP decode kustomization: the GPUs of the whole P/D deployment its init containers
+# plan for (`--disaggregate on --role decode --eplb`), and the most decode groups its
+# ScaledObject may run. One LWS group is one replica of the plan's decode pool; tests check the
+# group's size and GPUs against the pool's nodes and GPUs per replica.
+WIDE_EP_TARGETS: dict[str, tuple[str, int]] = {
+    "overlays/deepseek-r1-wide-ep-decode-2x8xh100": ("4x8xH100", 2)}
+
+
+def wide_ep_plan_for(model: str, gpus: str, max_replicas: int) -> Any:
+    """The plan each pod of a wide-EP decode overlay makes: `vlaunch plan MODEL --gpus GPUS
+    --disaggregate on --role decode --eplb --weights-from volume --max-replicas N`."""
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.capacity.autoscaling import ScalingAsk
+    from launcher.predict.search.pd_pools import plan_deployment
+    from launcher.predict.search.planner import Pins
+    from launcher.run.emit import pool_plan
+
+    with _fresh_cache(), _model_ref(model) as ref:
+        dep = plan_deployment(load_model(ref), parse_gpus(gpus), Pins(eplb=True), mode="on",
+                              scaling=ScalingAsk(max_replicas=max_replicas),
+                              load_path="volume").deployment
+    return pool_plan(dep, "decode")
+
+
+def wide_ep_files() -> dict[Path, str]:
+    """Each wide-EP decode overlay's generated files: the LeaderWorkerSet's timing patch and
+    the decode pool's ScaledObject (it scales the groups), from the plan its pods make."""
+    from launcher.run.emit import scaled_objects_text
+
+    files: dict[Path, str] = {}
+    for folder, (gpus, most) in WIDE_EP_TARGETS.items():
+        model = kustomization_model(HERE / folder)
+        plan = wide_ep_plan_for(model, gpus, most)
+        gen = HERE / folder / "generated"
+        files[gen / "timing.yaml"] = timing_patch("LeaderWorkerSet", timing(model, gpus))
+        files[gen / "scaledobject.yaml"] = (
+            f"# For {model} on {gpus}, the decode pool: `vlaunch plan --disaggregate on --role "
+            f"decode --eplb --max-replicas {most} --weights-from volume --emit` "
+            "(deploy/kubernetes/generate.py).\n"
+            + scaled_objects_text(plan, kind="LeaderWorkerSet"))
     return files
 
 

@@ -105,6 +105,7 @@ def test_wide_ep_decode_turns_eplb_on_and_pays_for_it_from_the_kv_cache(r1):
     reason = next(r for r in on.reasons if r.code == "eplb.on")
     assert reason.data["bytes_per_gpu"] == s.eplb.bytes_per_gpu == 2_554_954_752
     assert reason.data["kv_tokens_after"] < reason.data["kv_tokens_before"]
+    assert reason.data["kv_tokens_after"] == on.pool.kv_cache.tokens  # one number per fact
     assert reason.data["imbalance"]["hottest_rank_over_mean_without"] > \
         reason.data["imbalance"]["hottest_rank_over_mean_with"] >= 1
     # the same layout and batch without EPLB: the weights differ by exactly the redundant

@@ -118,8 +118,9 @@ class Result:
 
 
 def memory(goal: Goal, k: Knobs) -> Judged:
-    """The budget model at exactly `k`'s flags: the candidate, then the EP backend's buffers
-    and the MTP draft's weights, buffers, graphs and KV layer, each taken from the KV cache."""
+    """The budget model at exactly `k`'s flags: the candidate, then the EP backend's buffers,
+    the MTP draft's weights, buffers, graphs and KV layer, and EPLB's redundant experts, each
+    taken from the KV cache."""
     goal.counts[0] += 1
     pins = dataclasses.replace(goal.pins, max_model_len=k.max_model_len,
                                max_num_batched_tokens=k.max_num_batched_tokens,
@@ -145,17 +146,19 @@ def memory(goal: Goal, k: Knobs) -> Judged:
             c = j.cand = new
         else:  # the planner keeps vLLM's default backend for this layout
             j.ep_note = new.problem
+    if k.draft:
+        cost = speculative.cost(goal.spec, c, k.draft)
+        c = j.cand = speculative.with_draft(goal.spec, c, cost, goal.kv_pinned,
+                                            goal.pins.kv_cache_memory_bytes)
+        j.mtp = cost
+        if not c.fits:
+            return j
+    # last, so its before/after KV figures are the plan's own (the draft's memory already out)
     j.eplb, after = _eplb(goal, k, c, ep)
     if j.eplb.blocked:
         c.fits, c.problem = False, f"--eplb pinned, but {j.eplb.text[len('EPLB off: '):]}"
-        return j
-    if j.eplb.enabled:  # the redundant experts' weights come off the KV cache
-        c = j.cand = after
-    if k.draft:
-        cost = speculative.cost(goal.spec, c, k.draft)
-        j.cand = speculative.with_draft(goal.spec, c, cost, goal.kv_pinned,
-                                        goal.pins.kv_cache_memory_bytes)
-        j.mtp = cost
+    elif j.eplb.enabled:  # the redundant experts' weights come off the KV cache
+        j.cand = after
     return j
 
 

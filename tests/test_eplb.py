@@ -166,3 +166,18 @@ def test_propose_refuses_only_what_no_layout_could_run(r1):
     prefill = eplb.propose(r1, hw, Layout(dp=16, expert_parallel=True), "0.32.0", None,
                            "deepep_high_throughput")
     assert not prefill.enabled and prefill.code == "eplb.off"
+
+
+def test_the_installed_vllm_reads_the_eplb_flags_the_plan_writes(r1):
+    """vLLM 0.32's own parser turns the plan's two flags into ParallelConfig's enable_eplb and an
+    EPLBConfig with the planned redundant experts (config/parallel.py)."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    d = _plan(r1, "2x8xH100")
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(engine_argv(d.engine))
+    assert ns.enable_eplb is True and ns.enable_expert_parallel is True
+    assert ns.eplb_config.num_redundant_experts == d.engine.num_redundant_experts == 16
+    assert (EXPERTS + ns.eplb_config.num_redundant_experts) % (ns.tensor_parallel_size
+                                                              * ns.data_parallel_size) == 0

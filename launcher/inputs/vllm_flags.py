@@ -31,7 +31,6 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
@@ -656,12 +655,3 @@ def check_plan_env(env: Mapping[object, object],
             raise _refuse(f"{name}={text[:64]!r}")
         out[name] = text
     return out
-
-
-def plan_context(plan: Mapping[str, Any], plan_dir: str | Path | None = None) -> PlanContext:
-    """The model a plan names and the folders its paths may point into."""
-    m = plan.get("model") if isinstance(plan.get("model"), Mapping) else {}
-    path = m.get("path") if isinstance(m.get("path"), str) else None
-    model = path or (m.get("hf_id") if isinstance(m.get("hf_id"), str) else None)
-    roots = tuple(str(r) for r in (path, plan_dir) if r)
-    return PlanContext(model, roots)

@@ -181,3 +181,18 @@ def test_the_installed_vllm_reads_the_eplb_flags_the_plan_writes(r1):
     assert ns.eplb_config.num_redundant_experts == d.engine.num_redundant_experts == 16
     assert (EXPERTS + ns.eplb_config.num_redundant_experts) % (ns.tensor_parallel_size
                                                               * ns.data_parallel_size) == 0
+
+
+def test_one_expert_times_the_experts_is_every_expert_weight_of_every_moe_profile():
+    from launcher.inputs.model import list_profiles
+    from launcher.predict.memory.budget import tensor_bytes
+
+    checked = 0
+    for s in list_profiles():
+        if not s.is_moe:
+            continue
+        total = sum(tensor_bytes(t, s.quant, s.dtype_bytes) for t in s.tensors
+                    if t.loaded and t.part == "experts")
+        assert RX.expert_bytes(s) * s.num_experts == pytest.approx(total, rel=1e-9), s.name
+        checked += 1
+    assert checked >= 3

@@ -221,3 +221,19 @@ def test_real_plan_two_nodes_leader_and_worker():
     assert leader.role == "leader" and worker.role == "worker"
     assert "--headless" in worker.argv and "--headless" not in leader.argv
     assert leader.serves_api and not worker.serves_api
+
+
+def test_the_pool_it_runs_can_be_named():
+    # a disaggregated plan: a one-node TP8 prefill pool and a two-node DP16 + EP decode pool
+    import dataclasses
+
+    pre = dataclasses.replace(_plan(tp=8).pool, role="prefill")
+    dec = dataclasses.replace(_plan(tp=1, dp=16, ep=True, nodes=2).pool, role="decode")
+    d = dataclasses.replace(_plan(tp=1, dp=16, ep=True, nodes=2), kind="disaggregated",
+                            pools=(pre, dec))
+    work = build_launch(d, environ=_lws(1), pool=dec)
+    assert _after(work.argv, "--data-parallel-size-local") == "8"
+    assert _after(work.argv, "--data-parallel-start-rank") == "8" and "--headless" in work.argv
+    one = build_launch(d, environ={}, pool=pre)
+    assert one.nnodes == 1 and "--data-parallel-address" not in one.argv
+    assert one.argv == ["vllm", "serve", *pool_argv(pre)[1:]]

@@ -234,3 +234,51 @@ def test_exec_refuses_a_pool_whose_hand_off_was_rewritten(tmp_path):
     (tmp_path / "decode" / "plan.json").write_text(json.dumps(tampered))
     _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics"),
               "kv_connector_module_path")
+
+
+def test_exec_of_a_pool_over_nodes_goes_through_the_multinode_launch(tmp_path):
+    """4x8xH100 splits into pools of two nodes per replica: the pool's leader and worker get
+    their DP ranks (run/multinode.py) and the pool's side of the hand-off."""
+    out = tmp_path / "decode"
+    r = _cli("plan", "deepseek-r1", "--gpus", "4x8xH100", "--vllm-version", VERSION,
+             "--disaggregate", "on", "--role", "decode", "--emit", str(out))
+    assert r.exit_code == 0, r.output
+    d = emit.load_plan(out)
+    assert d.pool.nodes_per_replica == 2 and d.engine.parallel.nodes == 2
+    local = d.engine.parallel.dp // 2
+    for index in (0, 1):
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": f"10.0.0.{index + 2}", "LWS_WORKER_INDEX":
+               str(index), "LWS_LEADER_ADDRESS": "10.0.0.2", "LWS_GROUP_SIZE": "2"}
+        r = _cli("exec", "--plan", str(out), "--dry-run", "--no-metrics", env=env)
+        assert r.exit_code == 0, r.output
+        flat = " ".join(r.output.split()).replace(" \\ ", " ")
+        assert "--kv-transfer-config" in flat
+        assert f"--max-num-seqs {d.pool.engine.max_num_seqs}" in flat
+        assert f"--data-parallel-size-local {local}" in flat
+        assert ("--headless" in flat) == (index == 1)
+        if index:
+            assert f"--data-parallel-start-rank {local}" in flat
+
+
+def test_the_doctor_takes_the_pool_an_emitted_folder_names(tmp_path):
+    """vlaunch runs both pools kv_both, so a log alone does not say which pool it was; the
+    pool's own plan does, even where both pools' engines look alike."""
+    from launcher.observe import doctor
+
+    kv = ("KVTransferConfig(kv_connector='NixlConnector', engine_id='712be476', "
+          "kv_buffer_device='cuda', kv_role='kv_both', kv_port=14579, "
+          "kv_connector_extra_config={}, kv_connector_module_path=None)")
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "INFO 11-30 10:00:00 [api_server.py:1] vLLM API server version 0.32.0\n"
+        "INFO 11-30 10:00:00 [utils.py:1] non-default args: {'model': "
+        f"'meta-llama/Llama-3.1-8B-Instruct', 'kv_transfer_config': {kv}}}\n"
+        "(EngineCore pid=2) ERROR 11-30 10:00:09 [core.py:1010] ValueError: No available "
+        "memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+        "initializing the engine.\n")
+    whole = _split("llama-3.1-8b", "8xH100")
+    for role in ROLES:
+        d = doctor.diagnose(str(log), plan=emit.pool_plan(whole, role))[0].root
+        assert d.numbers["pool"]["role"] == role
+        assert "plan's role" in d.numbers["pool"]["how"]
+        assert f"the {role} pool" in d.explain[0]

@@ -282,3 +282,17 @@ def test_the_doctor_takes_the_pool_an_emitted_folder_names(tmp_path):
         assert d.numbers["pool"]["role"] == role
         assert "plan's role" in d.numbers["pool"]["how"]
         assert f"the {role} pool" in d.explain[0]
+
+
+def test_a_pools_side_channels_are_its_base_port_plus_each_dp_rank():
+    """vLLM 0.32 (nixl/base_scheduler.py): side_channel_port = VLLM_NIXL_SIDE_CHANNEL_PORT +
+    data_parallel_index, the global DP rank, so a replica over two nodes uses base..base+dp-1."""
+    from launcher.predict.features.connectors import side_channel_ports
+
+    for gpus in ("2x8xH200", "4x8xH100", "8xH100"):
+        for pool in pd_pools.plan_deployment(
+                load_model("deepseek-r1" if "x8x" in gpus else "llama-3.1-8b"),
+                parse_gpus(gpus), Pins(vllm_version=VERSION), mode="on",
+                workload=Workload(8192, 512), slo=RELAXED).deployment.pools:
+            base = int(pool.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+            assert side_channel_ports(pool) == (base, base + pool.engine.parallel.dp - 1)

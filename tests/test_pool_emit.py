@@ -211,12 +211,18 @@ def test_a_tampered_pool_environment_is_refused(name, value, tmp_path):
       "kv_connector_extra_config": {"shared_storage_path": "/etc"}}, False),
     ({"kv_connector": "NixlConnector", "kv_role": "kv_everything"}, False),
     ({"kv_role": "kv_both"}, False),
+    ({"kv_connector": {"a": 1}}, False),
+    ({"kv_connector": ["NixlConnector"]}, False),
+    ({"kv_connector": "NixlConnector", "kv_connector_extra_config": {
+        "shared_storage_path": "/var/run/vlaunch-kv", "more": 1}}, False),
     ([], False),
+    ("not json", False),
 ])
 def test_a_plans_kv_transfer_config_is_only_what_the_planner_writes(config, ok):
     from launcher.inputs import vllm_flags as F
 
-    why = F.check_value("kv_transfer_config", json.dumps(config))
+    why = F.check_value("kv_transfer_config",
+                        config if isinstance(config, str) else json.dumps(config))
     assert (why is None) == ok, why
     assert F.available("kv_transfer_config", "0.6.5") and not F.available("kv_transfer_config",
                                                                            "0.6.4")

@@ -91,7 +91,7 @@ def pool_plan(dep: Deployment, role: str) -> Deployment:
     if role not in {p.role for p in dep.pools}:
         raise InputError(f"--role {role}: the plan has no {role} pool (it has "
                          f"{', '.join(p.role for p in dep.pools)})")
-    return dataclasses.replace(dep, role=role)  # type: ignore[arg-type]
+    return dataclasses.replace(dep, role=role)
 
 
 def emitted_pools(dep: Deployment) -> tuple[Pool, ...]:

@@ -45,8 +45,15 @@ def test_a_pools_plan_round_trips_and_its_summary_keys_are_that_pools(model, gpu
     whole = _split(model, gpus)
     d = emit.pool_plan(whole, role)
     pool = next(p for p in whole.pools if p.role == role)
-    assert d.pools == whole.pools and d.role == role and d.pool == pool
-    assert d.engine == pool.engine
+    # the whole deployment; only a one-node split's loopback side-channel host is left to
+    # where each engine runs (a pool's folder runs apart from the other pool)
+    def apart(p):
+        return dataclasses.replace(p, env={k: v for k, v in p.env.items()
+                                           if k != "VLLM_NIXL_SIDE_CHANNEL_HOST"})
+
+    assert d.pools == tuple(map(apart, whole.pools)) and d.role == role
+    assert d.pool == apart(pool) and d.engine == pool.engine
+    assert all("VLLM_NIXL_SIDE_CHANNEL_HOST" not in p.env for p in d.pools)
     j = json.loads(json.dumps(dump(d)))
     assert load(j) == d and schema_errors("plan", j) == []
     assert j["role"] == role and "role" not in dump(whole)  # only a pool's folder names one
@@ -95,8 +102,10 @@ def test_each_folder_holds_its_pools_files(model, gpus, tmp_path):
         assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) >= 5600
         rdma = pool.transfer.path == "rdma"
         assert ("UCX_TLS" in env) == ("UCX_NET_DEVICES" in env) == rdma
-        # across nodes the pod's own address is set where it runs; on one node, loopback
-        assert env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") == (None if rdma else "127.0.0.1")
+        # the engine's own address is set where it runs, even for a one-node split (whose
+        # whole plan says loopback: both engines under one `vlaunch serve`)
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env
+        assert (whole.pool.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") == "127.0.0.1") == (not rdma)
         objs = list(yaml.safe_load_all((out / "scaledobject.yaml").read_text()))
         assert [o["metadata"]["name"] for o in objs] == [f"vlaunch-{role}"]
         assert objs[0]["spec"]["scaleTargetRef"]["name"] == f"vlaunch-{role}"
@@ -164,7 +173,10 @@ def _emitted(tmp_path, gpus: str, role: str) -> str:
 def test_exec_starts_the_pool_its_folder_names(role, tmp_path):
     folder = _emitted(tmp_path, "8xH100", role)
     d = emit.load_plan(folder)
-    r = _cli("exec", "--plan", folder, "--dry-run", "--no-metrics")
+    _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics",
+                   env={"VLLM_NIXL_SIDE_CHANNEL_HOST": ""}), "VLLM_NIXL_SIDE_CHANNEL_HOST")
+    r = _cli("exec", "--plan", folder, "--dry-run", "--no-metrics",
+             env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3"})
     assert r.exit_code == 0, r.output
     flat = " ".join(r.output.split()).replace(" \\ ", " ")
     assert f"--max-num-seqs {d.pool.engine.max_num_seqs}" in flat
@@ -238,8 +250,8 @@ def test_exec_refuses_a_pool_whose_hand_off_was_rewritten(tmp_path):
     tampered = dump(dataclasses.replace(d, pools=tuple(evil)))
     assert load(tampered).pool.transfer.config["kv_connector_module_path"]  # well formed
     (tmp_path / "decode" / "plan.json").write_text(json.dumps(tampered))
-    _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics"),
-              "kv_connector_module_path")
+    _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics",
+                   env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3"}), "kv_connector_module_path")
 
 
 def test_exec_of_a_pool_over_nodes_goes_through_the_multinode_launch(tmp_path):

@@ -156,6 +156,15 @@ def pool_lines(d: P.Deployment) -> list[str]:
         if t is not None:
             out.append(f"      KV hand-off: {t.connector} over {t.path}, "
                        f"{t.bytes_per_gpu / 1e6:,.1f} MB per GPU in {t.seconds * 1e3:.2f} ms")
+        if (a := p.autoscaling) is not None:  # the pool's own triggers (its ScaledObject's)
+            from .predict.capacity.autoscaling import trigger_thresholds
+
+            what = {"running": "running", "waiting": "waiting", "kv_usage": "KV"}
+            on = ", ".join(f"{what[k]} {v:.0%}" if k == "kv_usage" else f"{what[k]} {v:,.0f}"
+                           for k, v in trigger_thresholds(a).items())
+            out.append(f"      autoscaling: {a.min_replicas}-{a.max_replicas} replicas on "
+                       f"{on} per replica; windows up {a.scale_up_stabilization_s:,} s, down "
+                       f"{a.scale_down_stabilization_s:,} s")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(dict(p.env)).items())
         out.append(f"      {env} " + shlex.join(serve_argv(d.vllm_version,
                                                        redact_args(pool_argv(p)))))

@@ -342,3 +342,26 @@ def test_the_policy_check_is_not_vacuous(objs):
     assert _allowed([wide], prefill, "vlaunch", decode, 5999)
     assert not _allowed(policies, prefill, "vlaunch", decode, 5999)
     assert _allowed([], prefill, "vlaunch", decode, 5999)  # no policy: all open
+
+
+def test_every_pod_is_hardened_and_only_the_engines_pin_memory(objs):
+    """As base's pods: non-root, no privilege escalation, a read-only root, every capability
+    dropped; the engines add back IPC_LOCK alone (UCX pins the memory it registers for RDMA).
+    Each pool's pod asks for the GPUs one replica of its plan runs on."""
+    _, plan = _generated_plan()
+    gpus = {f"vlaunch-{p.role}": str(p.gpus_per_replica) for p in plan.pools}
+    for d in _of_kind(objs, "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, d["metadata"]["name"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            want = ["IPC_LOCK"] if c["name"] == "vllm" else None
+            assert sc["capabilities"].get("add") == want, (d["metadata"]["name"], c["name"])
+            assert c["resources"]["requests"]["memory"]
+        if d["metadata"]["name"] != "vlaunch-pd-epp":
+            assert spec["automountServiceAccountToken"] is False
+            server = _named(spec, "vllm")
+            assert server["resources"]["limits"]["rdma/ib"] == "1"
+            assert server["resources"]["limits"]["nvidia.com/gpu"] == gpus[d["metadata"]["name"]]

@@ -45,8 +45,15 @@ def test_a_pools_plan_round_trips_and_its_summary_keys_are_that_pools(model, gpu
     whole = _split(model, gpus)
     d = emit.pool_plan(whole, role)
     pool = next(p for p in whole.pools if p.role == role)
-    assert d.pools == whole.pools and d.role == role and d.pool == pool
-    assert d.engine == pool.engine
+    # the whole deployment; only a one-node split's loopback side-channel host is left to
+    # where each engine runs (a pool's folder runs apart from the other pool)
+    def apart(p):
+        return dataclasses.replace(p, env={k: v for k, v in p.env.items()
+                                           if k != "VLLM_NIXL_SIDE_CHANNEL_HOST"})
+
+    assert d.pools == tuple(map(apart, whole.pools)) and d.role == role
+    assert d.pool == apart(pool) and d.engine == pool.engine
+    assert all("VLLM_NIXL_SIDE_CHANNEL_HOST" not in p.env for p in d.pools)
     j = json.loads(json.dumps(dump(d)))
     assert load(j) == d and schema_errors("plan", j) == []
     assert j["role"] == role and "role" not in dump(whole)  # only a pool's folder names one
@@ -95,8 +102,10 @@ def test_each_folder_holds_its_pools_files(model, gpus, tmp_path):
         assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) >= 5600
         rdma = pool.transfer.path == "rdma"
         assert ("UCX_TLS" in env) == ("UCX_NET_DEVICES" in env) == rdma
-        # across nodes the pod's own address is set where it runs; on one node, loopback
-        assert env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") == (None if rdma else "127.0.0.1")
+        # the engine's own address is set where it runs, even for a one-node split (whose
+        # whole plan says loopback: both engines under one `vlaunch serve`)
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env
+        assert (whole.pool.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") == "127.0.0.1") == (not rdma)
         objs = list(yaml.safe_load_all((out / "scaledobject.yaml").read_text()))
         assert [o["metadata"]["name"] for o in objs] == [f"vlaunch-{role}"]
         assert objs[0]["spec"]["scaleTargetRef"]["name"] == f"vlaunch-{role}"
@@ -164,7 +173,10 @@ def _emitted(tmp_path, gpus: str, role: str) -> str:
 def test_exec_starts_the_pool_its_folder_names(role, tmp_path):
     folder = _emitted(tmp_path, "8xH100", role)
     d = emit.load_plan(folder)
-    r = _cli("exec", "--plan", folder, "--dry-run", "--no-metrics")
+    _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics",
+                   env={"VLLM_NIXL_SIDE_CHANNEL_HOST": ""}), "VLLM_NIXL_SIDE_CHANNEL_HOST")
+    r = _cli("exec", "--plan", folder, "--dry-run", "--no-metrics",
+             env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3"})
     assert r.exit_code == 0, r.output
     flat = " ".join(r.output.split()).replace(" \\ ", " ")
     assert f"--max-num-seqs {d.pool.engine.max_num_seqs}" in flat
@@ -211,12 +223,18 @@ def test_a_tampered_pool_environment_is_refused(name, value, tmp_path):
       "kv_connector_extra_config": {"shared_storage_path": "/etc"}}, False),
     ({"kv_connector": "NixlConnector", "kv_role": "kv_everything"}, False),
     ({"kv_role": "kv_both"}, False),
+    ({"kv_connector": {"a": 1}}, False),
+    ({"kv_connector": ["NixlConnector"]}, False),
+    ({"kv_connector": "NixlConnector", "kv_connector_extra_config": {
+        "shared_storage_path": "/var/run/vlaunch-kv", "more": 1}}, False),
     ([], False),
+    ("not json", False),
 ])
 def test_a_plans_kv_transfer_config_is_only_what_the_planner_writes(config, ok):
     from launcher.inputs import vllm_flags as F
 
-    why = F.check_value("kv_transfer_config", json.dumps(config))
+    why = F.check_value("kv_transfer_config",
+                        config if isinstance(config, str) else json.dumps(config))
     assert (why is None) == ok, why
     assert F.available("kv_transfer_config", "0.6.5") and not F.available("kv_transfer_config",
                                                                            "0.6.4")
@@ -232,5 +250,67 @@ def test_exec_refuses_a_pool_whose_hand_off_was_rewritten(tmp_path):
     tampered = dump(dataclasses.replace(d, pools=tuple(evil)))
     assert load(tampered).pool.transfer.config["kv_connector_module_path"]  # well formed
     (tmp_path / "decode" / "plan.json").write_text(json.dumps(tampered))
-    _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics"),
-              "kv_connector_module_path")
+    _one_line(_cli("exec", "--plan", folder, "--dry-run", "--no-metrics",
+                   env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3"}), "kv_connector_module_path")
+
+
+def test_exec_of_a_pool_over_nodes_goes_through_the_multinode_launch(tmp_path):
+    """4x8xH100 splits into pools of two nodes per replica: the pool's leader and worker get
+    their DP ranks (run/multinode.py) and the pool's side of the hand-off."""
+    out = tmp_path / "decode"
+    r = _cli("plan", "deepseek-r1", "--gpus", "4x8xH100", "--vllm-version", VERSION,
+             "--disaggregate", "on", "--role", "decode", "--emit", str(out))
+    assert r.exit_code == 0, r.output
+    d = emit.load_plan(out)
+    assert d.pool.nodes_per_replica == 2 and d.engine.parallel.nodes == 2
+    local = d.engine.parallel.dp // 2
+    for index in (0, 1):
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": f"10.0.0.{index + 2}", "LWS_WORKER_INDEX":
+               str(index), "LWS_LEADER_ADDRESS": "10.0.0.2", "LWS_GROUP_SIZE": "2"}
+        r = _cli("exec", "--plan", str(out), "--dry-run", "--no-metrics", env=env)
+        assert r.exit_code == 0, r.output
+        flat = " ".join(r.output.split()).replace(" \\ ", " ")
+        assert "--kv-transfer-config" in flat
+        assert f"--max-num-seqs {d.pool.engine.max_num_seqs}" in flat
+        assert f"--data-parallel-size-local {local}" in flat
+        assert ("--headless" in flat) == (index == 1)
+        if index:
+            assert f"--data-parallel-start-rank {local}" in flat
+
+
+def test_the_doctor_takes_the_pool_an_emitted_folder_names(tmp_path):
+    """vlaunch runs both pools kv_both, so a log alone does not say which pool it was; the
+    pool's own plan does, even where both pools' engines look alike."""
+    from launcher.observe import doctor
+
+    kv = ("KVTransferConfig(kv_connector='NixlConnector', engine_id='712be476', "
+          "kv_buffer_device='cuda', kv_role='kv_both', kv_port=14579, "
+          "kv_connector_extra_config={}, kv_connector_module_path=None)")
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "INFO 11-30 10:00:00 [api_server.py:1] vLLM API server version 0.32.0\n"
+        "INFO 11-30 10:00:00 [utils.py:1] non-default args: {'model': "
+        f"'meta-llama/Llama-3.1-8B-Instruct', 'kv_transfer_config': {kv}}}\n"
+        "(EngineCore pid=2) ERROR 11-30 10:00:09 [core.py:1010] ValueError: No available "
+        "memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+        "initializing the engine.\n")
+    whole = _split("llama-3.1-8b", "8xH100")
+    for role in ROLES:
+        d = doctor.diagnose(str(log), plan=emit.pool_plan(whole, role))[0].root
+        assert d.numbers["pool"]["role"] == role
+        assert "plan's role" in d.numbers["pool"]["how"]
+        assert f"the {role} pool" in d.explain[0]
+
+
+def test_a_pools_side_channels_are_its_base_port_plus_each_dp_rank():
+    """vLLM 0.32 (nixl/base_scheduler.py): side_channel_port = VLLM_NIXL_SIDE_CHANNEL_PORT +
+    data_parallel_index, the global DP rank, so a replica over two nodes uses base..base+dp-1."""
+    from launcher.predict.features.connectors import side_channel_ports
+
+    for gpus in ("2x8xH200", "4x8xH100", "8xH100"):
+        for pool in pd_pools.plan_deployment(
+                load_model("deepseek-r1" if "x8x" in gpus else "llama-3.1-8b"),
+                parse_gpus(gpus), Pins(vllm_version=VERSION), mode="on",
+                workload=Workload(8192, 512), slo=RELAXED).deployment.pools:
+            base = int(pool.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+            assert side_channel_ports(pool) == (base, base + pool.engine.parallel.dp - 1)

@@ -202,3 +202,25 @@ def test_an_emitted_pools_exporter_carries_its_role(tmp_path):
         e2 = ex.Exporter(None, plan=plan, gpu_reader=None, role=other)
         assert e2.role == other and e2.plan.pool.role == other
     assert dataclasses.replace(whole, role=None).pool.role == "prefill"
+
+
+def test_the_plan_text_shows_each_pools_own_triggers():
+    from click.testing import CliRunner
+
+    from launcher.cli import cli
+
+    r = CliRunner().invoke(cli, ["plan", "deepseek-r1", "--gpus", "2x8xH200", "--vllm-version",
+                                 VERSION, "--disaggregate", "on", "--max-replicas", "3"])
+    assert r.exit_code == 0, r.output
+    d = _split_for_text()
+    pre, dec = (p.autoscaling for p in d.pools)
+    assert (f"autoscaling: 1-3 replicas on waiting {pre.target_waiting_per_replica:,}, "
+            f"running {pre.target_running_per_replica:,} per replica") in r.output
+    assert (f"autoscaling: 1-3 replicas on running {dec.target_running_per_replica:,}, "
+            f"KV {dec.kv_usage_threshold:.0%} per replica") in r.output
+
+
+def _split_for_text():
+    return pd_pools.plan_deployment(load_model("deepseek-r1"), parse_gpus("2x8xH200"),
+                                    Pins(vllm_version=VERSION), mode="on",
+                                    scaling=A.ScalingAsk(max_replicas=3)).deployment

@@ -41,8 +41,9 @@ from .options import pins as _pins
               help="End the page with vLLM's own /metrics, so Prometheus needs only this port "
                    "(default: VLAUNCH_METRICS_RELAY=1 turns it on; the manifests do).")
 @click.option("--role", type=click.Choice(["prefill", "decode"]),
-              help="The pool of a disaggregated plan this engine is (default: the first); its "
-                   "series carry the label role.")
+              help="The pool of a disaggregated plan this engine is (default: the pool an "
+                   "emitted folder names, `plan --role R --emit`, else the first); its series "
+                   "carry the label role.")
 @format_option("text: what it serves, one line each; json: the same as JSON lines "
                "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,

@@ -2,11 +2,12 @@
 
 `load(dump(d)) == d`. The JSON keeps the keys scripts read since before pools existed (`fits`,
 `model`, `gpus`, `parallel`, `max_model_len`, ..., `vllm_args`, `env`, `performance`), read from
-the aggregated pool, and adds `deployment` (the kind), `pools` (each pool whole, with its
-`engine`: every vLLM flag's value) and `objective`/`workload`/`slo`. `load` reads the pools and
-the deployment's own fields, type by type from the dataclasses' annotations, and says in one
-line which field is missing or wrong (an `InputError`: exit 2), so no other module needs to
-subscript a plan dict.
+the pool the plan runs (the aggregated one; in a pool's folder, `vlaunch plan --role R --emit`,
+the pool `role` names), and adds `deployment` (the kind), `pools` (each pool whole, with its
+`engine`: every vLLM flag's value), `objective`/`workload`/`slo`, and `role` where set.
+`load` reads the pools and the deployment's own fields, type by type from the dataclasses'
+annotations, and says in one line which field is missing or wrong (an `InputError`: exit 2), so
+no other module needs to subscript a plan dict.
 """
 
 from __future__ import annotations

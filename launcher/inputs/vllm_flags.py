@@ -534,15 +534,16 @@ def _check_kv_transfer(v: Any) -> str | None:
         obj = None
     if not isinstance(obj, dict) or not obj:
         return "is not a JSON object"
-    known = read_yaml(profiles_dir() / "connectors.yaml")["connectors"]
+    allowed = {"kv_connector": tuple(read_yaml(profiles_dir() / "connectors.yaml")["connectors"]),
+               "kv_role": _KV_ROLES, "kv_buffer_device": _KV_DEVICES}
     for key, val in obj.items():
-        ok = {"kv_connector": lambda x: x in known, "kv_role": lambda x: x in _KV_ROLES,
-              "kv_buffer_device": lambda x: x in _KV_DEVICES,
-              "kv_connector_extra_config": lambda x: x == {"shared_storage_path": _STORE}
-              }.get(str(key))
-        if ok is None:
+        if key == "kv_connector_extra_config":
+            ok = val == {"shared_storage_path": _STORE}
+        elif key in allowed:
+            ok = isinstance(val, str) and val in allowed[key]
+        else:
             return f"sets {str(key)[:40]!r}, which the planner never writes"
-        if not (isinstance(val, (str, dict)) and ok(val)):
+        if not ok:
             return f"has {key}={val!r:.40}"
     return None if "kv_connector" in obj else "names no kv_connector"
 

@@ -75,10 +75,18 @@ def _env_text(env: Mapping[str, str]) -> str:
 ROLES = ("prefill", "decode")
 
 
+SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+
+
 def pool_plan(dep: Deployment, role: str) -> Deployment:
     """The plan as the folder of its `role` pool holds it: the whole deployment, with `role`
     naming the pool it runs (its `pool`, `engine` and top-level JSON keys are then that pool's).
-    One line when the plan has no such pool: an aggregated plan has no roles to run."""
+    One line when the plan has no such pool: an aggregated plan has no roles to run.
+
+    A pool's folder runs apart from the other pool (its own pod or machine), so no pool keeps a
+    loopback side-channel host (a one-node split's, right only when `vlaunch serve` runs both
+    engines on one host): each engine advertises its own address, set where it runs
+    (`exec_plan.check_pool_plan` asks for it)."""
     if role not in ROLES:
         raise InputError(f"--role {role}: a pool of a disaggregated plan is one of "
                          f"{', '.join(ROLES)}")
@@ -91,7 +99,9 @@ def pool_plan(dep: Deployment, role: str) -> Deployment:
     if role not in {p.role for p in dep.pools}:
         raise InputError(f"--role {role}: the plan has no {role} pool (it has "
                          f"{', '.join(p.role for p in dep.pools)})")
-    return dataclasses.replace(dep, role=role)  # type: ignore[arg-type]
+    apart = tuple(dataclasses.replace(p, env={k: v for k, v in p.env.items()
+                                              if k != SIDE_CHANNEL_HOST}) for p in dep.pools)
+    return dataclasses.replace(dep, role=role, pools=apart)
 
 
 def emitted_pools(dep: Deployment) -> tuple[Pool, ...]:

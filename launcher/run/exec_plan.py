@@ -35,10 +35,10 @@ def check_pool_plan(dep: Deployment, replan: bool = False,
     - a disaggregated plan without `role` holds two pools and exec runs one engine;
     - a pool is not re-planned alone: its layout, batch and side of the KV hand-off were chosen
       with the other pool's (rate matching), so --replan of one pool would break the pairing;
-    - a pool whose connector has a side channel (NIXL) and whose pools span nodes must
-      advertise its own address: the plan leaves VLLM_NIXL_SIDE_CHANNEL_HOST to where it runs
-      (a pod's IP, which every pod of the pool differs in), and vLLM's default, localhost,
-      cannot be reached from the other pool's nodes.
+    - a pool whose connector has a side channel (NIXL) must advertise its own address: a
+      pool's folder leaves VLLM_NIXL_SIDE_CHANNEL_HOST to where it runs (a pod's IP, which
+      every pod of the pool differs in; run/emit.py pool_plan), and vLLM's default, localhost,
+      cannot be reached from the other pool's pods.
     """
     if dep.kind != "disaggregated":
         return

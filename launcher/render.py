@@ -61,7 +61,7 @@ def plan_text(d: P.Deployment, command: bool | list[str] = True) -> str:
     lines += _items("what would fit", d.suggestions)
     lines += _figures(d)
     lines += performance_lines(d)
-    lines += scaling_lines(d.pool)
+    lines += scaling_lines(d.pool, pooled=d.kind == "disaggregated")
     lines += _items("why", d.reasons)
     return "\n".join(lines)
 
@@ -97,7 +97,8 @@ def _figures(d: P.Deployment) -> list[str]:
              f"context {m.max_context:,}"]
     layout = f"TP {p.tp}, PP {p.pp}, DP {p.dp}" + (", EP" if p.expert_parallel else "")
     if d.fits:
-        lines += [f"  layout: {layout}, {p.nodes} node(s)",
+        whose = f" ({pool.role} pool, one replica)" if d.kind == "disaggregated" else ""
+        lines += [f"  layout{whose}: {layout}, {p.nodes} node(s)",
                   f"  max-model-len {e.max_model_len:,}, kv-cache-dtype {kv.dtype}, "
                   f"block {kv.block_size}, gpu-memory-utilization "
                   f"{e.gpu_memory_utilization:.2f}",
@@ -121,9 +122,10 @@ def _figures(d: P.Deployment) -> list[str]:
     return lines
 
 
-def scaling_lines(pool: P.Pool) -> list[str]:
-    """One replica's start-up and the pool's autoscaling targets (the plan's figures)."""
-    st, a = pool.startup, pool.autoscaling
+def scaling_lines(pool: P.Pool, pooled: bool = False) -> list[str]:
+    """One replica's start-up and the pool's autoscaling targets (the plan's figures); `pooled`:
+    each pool's line above already gave its own targets, so they are not said again."""
+    st, a = pool.startup, (None if pooled else pool.autoscaling)
     out = []
     if st:
         terms = ", ".join(f"{k.replace('_', ' ')} {v:,.0f} s" for k, v in st.terms.items())

@@ -186,6 +186,24 @@ def test_a_disaggregated_plan_round_trips_and_says_its_pools(model, gpus, inp, o
     assert why.data["runner_up"] is None or why.data["runner_up"]["deployment"] == "aggregated"
 
 
+@pytest.mark.parametrize("model,gpus,inp,out", CASES)
+def test_a_split_plans_reasons_are_its_pools_not_the_aggregated_runner_up(model, gpus, inp, out):
+    """Beyond the choice and the inputs, every reason names the pool(s) it describes; the
+    aggregated runner-up's own decisions (its layout, its batch) are not the deployment's."""
+    r = _planned(model, gpus, inp, out)
+    d = r.deployment
+    codes = [x.code for x in d.reasons]
+    assert codes[0] == "deployment.chosen" and "workload" in codes
+    for x in d.reasons[1:]:
+        if x.code in ("workload", "vllm.version"):
+            continue
+        assert set(x.data["pools"]) <= {"prefill", "decode"} and x.data["pools"], x.code
+        assert x.text.startswith(("both pools: ", "prefill pool: ", "decode pool: ")), x.text
+    (seqs,) = [x for x in d.reasons if x.code == "max_num_seqs.decode_slo"]  # balanced
+    assert seqs.data["max_num_seqs"] == d.pools[1].engine.max_num_seqs
+    assert load(json.loads(json.dumps(dump(d)))) == d
+
+
 @pytest.mark.parametrize("model,gpus,inp,out", CASES[::2])
 def test_auto_picks_the_better_of_the_two_plans(model, gpus, inp, out):
     auto = _planned(model, gpus, inp, out, "auto")

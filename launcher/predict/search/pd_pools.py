@@ -269,6 +269,38 @@ def _transfer(o: Option, role: str, version: str) -> tuple[D.KVTransfer, dict[st
                         handshake_s=sp.transfer.handshake_s), t.env()
 
 
+_DEPLOYMENT_CODES = frozenset({"workload", "vllm.version"})
+"""The aggregated search's reasons that hold for the whole split deployment (its inputs); the
+rest describe the aggregated runner-up, whose headline figure the choice's reason gives."""
+_POOL_CODES = {
+    "prefill": ("layout", "kv_cache_dtype", "gpu_memory_utilization", "max_model_len",
+                "max_num_batched_tokens", "all2all_backend", "eplb"),
+    "decode": ("layout", "kv_cache_dtype", "gpu_memory_utilization", "max_model_len", "parsers",
+               "all2all_backend", "eplb", "mtp"),
+}
+"""A pool replica's own decisions, by code family, where they matter to that pool: prefill's
+chunk size, decode's draft and parsers (max-num-seqs is re-cut for decode below)."""
+
+
+def pool_reasons(plans: dict[str, Any]) -> tuple[D.Reason, ...]:
+    """The reasons of each pool's replica plan that describe the pool, each marked with its
+    pools (data `pools`, and the sentence says which); one the two pools share is said once."""
+    said: dict[tuple[str, str], list[str]] = {}
+    found: dict[tuple[str, str], D.Reason] = {}
+    for role, plan in plans.items():
+        for r in plan.deployment().reasons:
+            if r.code.split(".")[0] in _POOL_CODES[role]:
+                key = (r.code, r.text)
+                said.setdefault(key, []).append(role)
+                found.setdefault(key, r)
+    out = []
+    for key, roles in said.items():
+        r = found[key]
+        who = "both pools" if len(roles) == 2 else f"{roles[0]} pool"
+        out.append(D.Reason(r.code, f"{who}: {r.text}", {**r.data, "pools": roles}))
+    return tuple(out)
+
+
 def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SLO,
                              reasons: tuple[D.Reason, ...], scaling: Any = None
                              ) -> D.Deployment:
@@ -292,6 +324,7 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
                      round((p1.prompt_s + sp.transfer.seconds + d1.first_step_s) * 1e3, 2),
                      round(1e3 / single_tpot, 2) if single_tpot > 0 else 0.0, 0.0)
     pools = []
+    seqs_reason: D.Reason | None = None
     for role, plan, n in (("prefill", o.prefill, units * sp.prefill_replicas),
                           ("decode", o.decode, units * sp.decode_replicas)):
         pool = plan.deployment().pool
@@ -313,6 +346,13 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
         engine = pool.engine
         if role == "decode" and base.objective != "throughput":  # hold the TPOT SLO
             engine = dataclasses.replace(engine, max_num_seqs=max(1, math.floor(d1.running)))
+            seqs_reason = D.Reason(
+                "max_num_seqs.decode_slo",
+                f"decode pool: max-num-seqs {engine.max_num_seqs} per engine: the batch that "
+                f"decodes within the TPOT SLO ({slo.tpot_ms:g} ms; {d1.tpot_ms:.1f} ms "
+                "predicted), with no prefill in its steps",
+                {"pools": ["decode"], "max_num_seqs": engine.max_num_seqs,
+                 "tpot_ms": round(d1.tpot_ms, 3), "slo_tpot_ms": slo.tpot_ms})
         pools.append(dataclasses.replace(pool, role=role, replicas=n, env={**pool.env, **env},
                                          engine=engine, performance=perf, transfer=xfer))
     notes = (f"rate-matched {sp.prefill_replicas}P{sp.decode_replicas}D"
@@ -332,7 +372,12 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
             "address (its pod IP), which decode engines dial for the NIXL handshake",
             {"env": "VLLM_NIXL_SIDE_CHANNEL_HOST"}),)
     return dataclasses.replace(base, kind="disaggregated", pools=tuple(pools), performance=perf,
-                               reasons=reasons + base.reasons, warnings=warnings,
+                               reasons=(reasons + tuple(r for r in base.reasons
+                                                        if r.code in _DEPLOYMENT_CODES)
+                                        + pool_reasons({"prefill": o.prefill, "decode": o.decode})
+                                        + ((seqs_reason,) if seqs_reason
+                                                          else ())),
+                               warnings=warnings,
                                runners_up=())
 
 

@@ -53,6 +53,23 @@ def test_touched_experts_follow_the_occupancy_formula():
     assert perf.touched_fraction(0, 0, 5) == 0.0
 
 
+def test_moe_tile_is_the_smallest_that_holds_the_mean_tokens_per_expert():
+    # vLLM's tuned fused-MoE configs pick BLOCK_SIZE_M near the mean tokens per expert,
+    # T x top-k / E: DeepSeek (E = 256, top-8) on H200 keeps 16 rows up to 512 tokens (16 per
+    # expert); Qwen3-30B-A3B (E = 128, top-8) needs 32 rows at 512 tokens (32 per expert).
+    from launcher.predict.speed.step import moe_tile_rows
+
+    ds = toy(experts=256, topk=8, moe_layers=1)
+    assert [moe_tile_rows(ds, t) for t in (1, 64, 128, 512)] == [16.0] * 4
+    assert moe_tile_rows(ds, 513) == 32.0  # 16.03 per expert
+    assert moe_tile_rows(ds, 2048) == 64.0  # 64 per expert
+    assert moe_tile_rows(ds, 1e6) == 128.0  # never above vLLM's largest tile
+    qw = toy(experts=128, topk=8, moe_layers=1)
+    assert moe_tile_rows(qw, 512) == 32.0
+    # the tile follows the load, not the dtype: fp8 weights change nothing
+    assert moe_tile_rows(dataclasses.replace(ds, fp8_gemm=True), 128) == 16.0
+
+
 def test_batch_one_decode_is_weights_over_bandwidth_plus_fixed_costs():
     s = toy()
     # memory: (10 GB + one token's activations) / (1 TB/s x hbm_eff); compute, 20 GFLOP at

@@ -40,11 +40,11 @@ class Constants:
     """Efficiencies (shares of a peak) and fixed costs (microseconds). The values are the fit of
     `bench/perf_fit.py` inside the BOUNDS there, rounded; each field says its physical range."""
 
-    hbm_eff: float = 0.884
+    hbm_eff: float = 0.872
     """Share of peak HBM bandwidth weight and KV reads reach. Range 0.6-0.92: aiconfigurator's
     vLLM GEMM tables give 0.76-0.86 for bf16 weights, FlashMLA decode ~0.9 of H800's HBM
     (ai-dynamo/aiconfigurator; deepseek-ai/FlashMLA README)."""
-    compute_eff: float = 0.4
+    compute_eff: float = 0.452
     """Share of dense tensor peak a decode step's GEMMs and attention reach. Range 0.4-0.70:
     aiconfigurator measures 0.5-0.59 for fp8 and ~0.8 for bf16 GEMMs at large M; decode M is
     small, so <= 0.70 (the issue's bound)."""
@@ -68,7 +68,7 @@ class Constants:
     """Fixed cost per layer per step: ~6-10 kernels of ~2-4 us each under CUDA graphs (norms,
     rotary, KV write, activation). Range 5-60 us; aiconfigurator's element-wise op floor is
     ~3 us and its GEMM floor 3.8-8.7 us."""
-    moe_layer_us: float = 40.0
+    moe_layer_us: float = 41.1
     """Floor of one fused-MoE layer (router, top-k, permutation, grouped-GEMM set-up). Range
     20-120 us: aiconfigurator's vLLM fused-MoE tables floor at 22-50 us."""
     allreduce_us: float = 5.0
@@ -85,14 +85,14 @@ class Constants:
     """Latency of one NCCL collective inside a node where vLLM's custom all-reduce does not
     apply (EP all-gather / reduce-scatter, DP synchronisation, PCIe). Range 8-30 us: nccl-tests
     on 8xH100 ~16 us at 8 KB."""
-    network_us: float = 4.9
+    network_us: float = 5.08
     """Latency of one step of a collective (or one pipeline hop) that crosses nodes over
     InfiniBand / RoCE: a small message through NCCL's network proxy. A ring all-reduce over n
     ranks takes 2 (n - 1) such steps and an all-gather n - 1, each as slow as its slowest link,
     so TP16 over two nodes pays ~30 of them per all-reduce. Range 2-20 us: ~1-2 us of verbs
     latency, plus NCCL's LL-protocol flag polling and the proxy thread (nccl-tests multi-node
     all-reduce at 8 KB on 16 H100s: tens of microseconds to ~150 us, i.e. 2-5 us per step)."""
-    step_us: float = 591.0
+    step_us: float = 281.0
     """Per engine step: scheduler, sampler, input preparation, output processing (V1 engine).
     Range 100-3,000 us: V1 overlaps scheduling with the GPU but a step still costs ~0.5 ms of
     host work (vLLM V1 alpha blog, 2025-01-27)."""

@@ -398,7 +398,7 @@ def _mtp_layouts():
     "issue 28 item 2 open: under uniform routing a plain step's touched experts saturate "
     "between 16 and 64 in flight while the verify step's (2x the tokens) already have, so "
     "the verify penalty shrinks and the modelled gain rises (R1 TP8, k = 1, 1k context: "
-    "1.18x at 16 -> 1.39x at 64); a power-law expert popularity (aiconfigurator's alpha ~1) "
+    "1.17x at 16 -> 1.39x at 64); a power-law expert popularity (aiconfigurator's alpha ~1) "
     "removes most of the dip but not the rise once KV or touched experts dominate, and its "
     "refit loses held-out tok/s (15.5-17.4%, over the gate)"))
 @pytest.mark.parametrize("layout", ["tp8dp1", "tp1dp8ep", "tp2dp4ep"])

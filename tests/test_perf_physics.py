@@ -524,3 +524,28 @@ def test_a_burst_is_timed_to_its_last_request():
         assert b.requests_per_s <= perf.point(s, w, c).requests_per_s * (1 + 1e-9), pid
         checked += 1
     assert checked >= 100
+
+
+def test_a_larger_burst_never_finishes_sooner_and_pays_its_recomputation():
+    # n requests sent at once (request rate inf): the makespan n / requests_per_s never falls
+    # as n grows (more work, the same engine), and the preemption-recompute time is zero
+    # while the admitted requests fit at full length and never negative past it.
+    checked = 0
+    for _, _, s in grid():
+        for prompt, out in ((128, 2048), (1024, 256), (8192, 512)):
+            if prompt + out > s.kv_tokens:
+                continue
+            w = Workload(prompt, out, synchronized=True)
+            cap = perf.running_limit(s, w)[0]
+            prev = 0.0
+            for n in (1, 8, 64, 256, 1024, 4096):
+                load = math.ceil(n / s.dp)
+                extra = perf.recompute_s(s, w, load, cap)
+                assert extra >= 0.0
+                if load <= cap:
+                    assert extra == 0.0
+                span = n / perf.burst_point(s, w, n).requests_per_s
+                assert span >= prev * (1 - 1e-9), (s, prompt, out, n)
+                prev = span
+                checked += 1
+    assert checked >= 200

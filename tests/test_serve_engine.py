@@ -76,6 +76,10 @@ def _complete(base: str, model: str) -> dict:
 
 
 def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM the run's group; a run that already ended keeps the test's own failure visible
+    (its exit status is returned instead of a ProcessLookupError masking the assertion)."""
+    if proc.poll() is not None:
+        return proc.returncode
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         return proc.wait(120)

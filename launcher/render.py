@@ -60,7 +60,7 @@ def plan_text(d: P.Deployment, command: bool | list[str] = True) -> str:
     lines += _items("what would fit", d.suggestions)
     lines += _figures(d)
     lines += performance_lines(d)
-    lines += scaling_lines(d.pool)
+    lines += scaling_lines(d.pool, pooled=d.kind == "disaggregated")
     lines += _items("why", d.reasons)
     return "\n".join(lines)
 
@@ -96,7 +96,8 @@ def _figures(d: P.Deployment) -> list[str]:
              f"context {m.max_context:,}"]
     layout = f"TP {p.tp}, PP {p.pp}, DP {p.dp}" + (", EP" if p.expert_parallel else "")
     if d.fits:
-        lines += [f"  layout: {layout}, {p.nodes} node(s)",
+        whose = f" ({pool.role} pool, one replica)" if d.kind == "disaggregated" else ""
+        lines += [f"  layout{whose}: {layout}, {p.nodes} node(s)",
                   f"  max-model-len {e.max_model_len:,}, kv-cache-dtype {kv.dtype}, "
                   f"block {kv.block_size}, gpu-memory-utilization "
                   f"{e.gpu_memory_utilization:.2f}",
@@ -120,9 +121,10 @@ def _figures(d: P.Deployment) -> list[str]:
     return lines
 
 
-def scaling_lines(pool: P.Pool) -> list[str]:
-    """One replica's start-up and the pool's autoscaling targets (the plan's figures)."""
-    st, a = pool.startup, pool.autoscaling
+def scaling_lines(pool: P.Pool, pooled: bool = False) -> list[str]:
+    """One replica's start-up and the pool's autoscaling targets (the plan's figures); `pooled`:
+    each pool's line above already gave its own targets, so they are not said again."""
+    st, a = pool.startup, (None if pooled else pool.autoscaling)
     out = []
     if st:
         terms = ", ".join(f"{k.replace('_', ' ')} {v:,.0f} s" for k, v in st.terms.items())
@@ -155,6 +157,15 @@ def pool_lines(d: P.Deployment) -> list[str]:
         if t is not None:
             out.append(f"      KV hand-off: {t.connector} over {t.path}, "
                        f"{t.bytes_per_gpu / 1e6:,.1f} MB per GPU in {t.seconds * 1e3:.2f} ms")
+        if (a := p.autoscaling) is not None:  # the pool's own triggers (its ScaledObject's)
+            from .predict.capacity.autoscaling import trigger_thresholds
+
+            what = {"running": "running", "waiting": "waiting", "kv_usage": "KV"}
+            on = ", ".join(f"{what[k]} {v:.0%}" if k == "kv_usage" else f"{what[k]} {v:,.0f}"
+                           for k, v in trigger_thresholds(a).items())
+            out.append(f"      autoscaling: {a.min_replicas}-{a.max_replicas} replicas on "
+                       f"{on} per replica; windows up {a.scale_up_stabilization_s:,} s, down "
+                       f"{a.scale_down_stabilization_s:,} s")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(dict(p.env)).items())
         out.append(f"      {env} " + shlex.join(serve_argv(d.vllm_version,
                                                        redact_args(pool_argv(p)))))
@@ -162,16 +173,14 @@ def pool_lines(d: P.Deployment) -> list[str]:
 
 
 def _node_commands(d: P.Deployment) -> list[str]:
-    from .deployment.codec import dump
     from .run.multinode import build_launch
 
     out = []
     nodes = d.hardware.nodes
-    raw = dump(d)
     for rank in (0, 1):
         env = {"LWS_LEADER_ADDRESS": "LEADER_IP", "LWS_GROUP_SIZE": str(nodes),
                "LWS_WORKER_INDEX": str(rank)}
-        launch = build_launch(raw, env)
+        launch = build_launch(d, env)
         who = "leader (node 0)" if rank == 0 else (
             "worker (node 1)" + ("; nodes 2 and up differ only in their rank" if nodes > 2 else ""))
         out.append(f"    {who}:")

@@ -113,9 +113,14 @@ def test_json_doc_names_every_top_level_key_of_a_plan() -> None:
     import json
     import re
 
-    rc, out = docs_refresh.run("vlaunch plan deepseek-v3 --gpus 8xH200 --format json")
-    assert rc == 0
-    keys = set(json.loads("\n".join(out)))
+    keys: set[str] = set()
+    for cmd in ("vlaunch plan deepseek-v3 --gpus 8xH200 --format json",  # + a pool's folder's
+                "vlaunch plan deepseek-r1 --gpus 2x8xH200 --disaggregate on --role decode "
+                "--format json"):
+        rc, out = docs_refresh.run(cmd)
+        assert rc == 0, out
+        keys |= set(json.loads("\n".join(out)))
+    assert "role" in keys
     text = (docs_refresh.ROOT / "docs" / "json.md").read_text()
     table = text[text.index("## Plan JSON"):text.index("## tune.json")]
     rows = [re.sub(r" \([^)]*\)", "", r.split(" | ")[0])  # "(and `revision` ...)": model's keys

@@ -3,32 +3,25 @@
 from __future__ import annotations
 
 import pytest
+from plan_factory import deployment, with_engine
 
+from launcher.deployment.argv import pool_argv
+from launcher.deployment.codec import dump, load
 from launcher.errors import InputError
 from launcher.run.multinode import LEADER, WORKER, LwsEnv, build_launch
 
 LEADER_DNS = "vlaunch-0.vlaunch.default"
 
 
-def _plan(tp=8, pp=1, dp=1, ep=False, nodes=1, gpus_per_node=8, backend=None, extra=()):
-    args = ["--model", "deepseek-ai/DeepSeek-R1", "--max-model-len", "32768"]
-    if tp > 1:
-        args += ["--tensor-parallel-size", str(tp)]
-    if pp > 1:
-        args += ["--pipeline-parallel-size", str(pp)]
-    if dp > 1:
-        args += ["--data-parallel-size", str(dp)]
-    if ep:
-        args.append("--enable-expert-parallel")
-    plan = {
-        "gpus": {"name": "H100", "nodes": nodes, "gpus_per_node": gpus_per_node},
-        "parallel": {"tp": tp, "pp": pp, "dp": dp, "expert_parallel": ep, "nodes": nodes},
-        "vllm_args": [*args, *extra],
-        "env": {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"},
-    }
-    if backend:
-        plan["distributed_executor_backend"] = backend
-    return plan
+def _plan(tp=8, pp=1, dp=1, ep=False, nodes=1, gpus_per_node=8, backend="mp"):
+    return deployment(tp=tp, pp=pp, dp=dp, ep=ep, nodes=nodes, gpus_per_node=gpus_per_node,
+                      backend=backend)
+
+
+def _args(plan):
+    """The plan's vLLM arguments, as its pool gives them (`vllm serve` then takes the model as
+    its positional)."""
+    return pool_argv(plan.pool)
 
 
 def _lws(index, size=2, leader=LEADER_DNS, **more):
@@ -49,10 +42,10 @@ def test_single_node_runs_the_plan_unchanged():
     plan = _plan()
     launch = build_launch(plan, environ={})
     # `vllm serve MODEL`: the model positional (the plan's args start with --model MODEL)
-    assert plan["vllm_args"][0] == "--model"
-    assert launch.argv == ["vllm", "serve", *plan["vllm_args"][1:]]
+    assert _args(plan)[0] == "--model"
+    assert launch.argv == ["vllm", "serve", *_args(plan)[1:]]
     assert (launch.role, launch.node_rank, launch.nnodes) == (LEADER, 0, 1)
-    assert launch.env == plan["env"] and launch.pre_commands == [] and launch.serves_api
+    assert launch.env == plan.pool.env and launch.pre_commands == [] and launch.serves_api
 
 
 def test_single_node_refuses_a_worker():
@@ -70,7 +63,7 @@ def test_mp_tp_pp_across_two_nodes_leader_and_worker():
     lead = build_launch(plan, environ=_lws(0, POD_IP="10.0.0.5"))
     work = build_launch(plan, environ=_lws(1, POD_IP="10.0.0.6"))
     for launch, rank in ((lead, 0), (work, 1)):
-        serve = ["vllm", "serve", *plan["vllm_args"][1:]]  # the model positional
+        serve = ["vllm", "serve", *_args(plan)[1:]]  # the model positional
         assert launch.argv[: len(serve)] == serve
         assert _after(launch.argv, "--nnodes") == "2"
         assert _after(launch.argv, "--node-rank") == str(rank)
@@ -121,7 +114,7 @@ def test_ray_leader_starts_head_then_vllm_and_worker_joins():
     assert lead.argv == [
         "vllm",
         "serve",
-        *plan["vllm_args"][1:],
+        *_args(plan)[1:],
         "--distributed-executor-backend",
         "ray",
     ]
@@ -170,28 +163,41 @@ def test_errors_say_what_to_fix(plan, environ, role, match):
 
 
 def test_plan_that_contradicts_itself_is_refused():
-    plan = _plan(tp=16, nodes=2)
-    plan["parallel"]["tp"] = 8
-    plan["parallel"]["pp"] = 2
-    with pytest.raises(InputError, match="parallel.tp=8"):
-        build_launch(plan, environ=_lws(0))
-    plan = _plan(tp=1, dp=16, ep=True, nodes=2)
-    plan["parallel"]["expert_parallel"] = False
-    with pytest.raises(InputError, match="expert_parallel"):
-        build_launch(plan, environ=_lws(0))
+    # A typed plan has one layout (its engine's); a plan.json whose summary or argv says
+    # otherwise than its pool is refused when it is read, before any node runs it.
+    raw = dump(_plan(tp=16, nodes=2))
+    raw["parallel"]["tp"] = 8
+    raw["parallel"]["pp"] = 2
+    with pytest.raises(InputError, match="`parallel` differs"):
+        load(raw)
+    raw = dump(_plan(tp=1, dp=16, ep=True, nodes=2))
+    raw["pools"][0]["vllm_args"].remove("--enable-expert-parallel")
+    with pytest.raises(InputError, match="vllm_args` differ"):
+        load(raw)
 
 
 @pytest.mark.parametrize("flag", ["--nnodes=2", "--headless", "--data-parallel-address"])
 def test_plan_must_not_carry_per_node_flags(flag):
-    plan = _plan(tp=16, nodes=2, extra=[flag])
+    # the engine writes no per-node flag, so one in plan.json is an edit the codec refuses ...
+    raw = dump(_plan(tp=16, nodes=2))
+    raw["pools"][0]["vllm_args"].append(flag)
+    raw["vllm_args"].append(flag)
+    with pytest.raises(InputError, match="vllm_args` differ"):
+        load(raw)
+
+
+def test_an_engine_that_names_its_own_node_flags_is_refused(monkeypatch):
+    # ... and build_launch refuses one if a pool's argv ever held one (defence in depth)
+    import launcher.run.multinode as mn
+
+    plan = _plan(tp=16, nodes=2)
+    monkeypatch.setattr(mn, "pool_argv", lambda pool: [*pool_argv(pool), "--headless"])
     with pytest.raises(InputError, match="per-node flags"):
         build_launch(plan, environ=_lws(0))
 
 
-def test_equals_form_of_parallel_flags_is_understood():
-    plan = _plan(tp=1, nodes=2)
-    plan["vllm_args"] += ["--tensor-parallel-size=16"]
-    plan["parallel"]["tp"] = 16
+def test_the_layout_comes_from_the_engine_not_the_argv_text():
+    plan = with_engine(_plan(tp=1, nodes=2), parallel=_plan(tp=16, nodes=2).engine.parallel)
     assert "--nnodes" in build_launch(plan, environ=_lws(0)).argv
 
 
@@ -208,10 +214,26 @@ def test_real_plan_two_nodes_leader_and_worker():
     from launcher.predict.search.planner import Pins, make_plan
 
     d = make_plan(load_model("deepseek-r1"), parse_gpus("2x8xH100"),
-                  Pins(vllm_version="0.32.0")).to_dict()
+                  Pins(vllm_version="0.32.0")).deployment()
     env = {"LWS_LEADER_ADDRESS": "10.0.0.1", "LWS_GROUP_SIZE": "2"}
     leader = build_launch(d, {**env, "LWS_WORKER_INDEX": "0"})
     worker = build_launch(d, {**env, "LWS_WORKER_INDEX": "1"})
     assert leader.role == "leader" and worker.role == "worker"
     assert "--headless" in worker.argv and "--headless" not in leader.argv
     assert leader.serves_api and not worker.serves_api
+
+
+def test_the_pool_it_runs_can_be_named():
+    # a disaggregated plan: a one-node TP8 prefill pool and a two-node DP16 + EP decode pool
+    import dataclasses
+
+    pre = dataclasses.replace(_plan(tp=8).pool, role="prefill")
+    dec = dataclasses.replace(_plan(tp=1, dp=16, ep=True, nodes=2).pool, role="decode")
+    d = dataclasses.replace(_plan(tp=1, dp=16, ep=True, nodes=2), kind="disaggregated",
+                            pools=(pre, dec))
+    work = build_launch(d, environ=_lws(1), pool=dec)
+    assert _after(work.argv, "--data-parallel-size-local") == "8"
+    assert _after(work.argv, "--data-parallel-start-rank") == "8" and "--headless" in work.argv
+    one = build_launch(d, environ={}, pool=pre)
+    assert one.nnodes == 1 and "--data-parallel-address" not in one.argv
+    assert one.argv == ["vllm", "serve", *pool_argv(pre)[1:]]

@@ -53,6 +53,47 @@ def test_touched_experts_follow_the_occupancy_formula():
     assert perf.touched_fraction(0, 0, 5) == 0.0
 
 
+def test_moe_tile_is_the_smallest_that_holds_the_mean_tokens_per_expert():
+    # vLLM's tuned fused-MoE configs pick BLOCK_SIZE_M near the mean tokens per expert,
+    # T x top-k / E: DeepSeek (E = 256, top-8) on H200 keeps 16 rows up to 512 tokens (16 per
+    # expert); Qwen3-30B-A3B (E = 128, top-8) needs 32 rows at 512 tokens (32 per expert).
+    from launcher.predict.speed.step import moe_tile_rows
+
+    ds = toy(experts=256, topk=8, moe_layers=1)
+    assert [moe_tile_rows(ds, t) for t in (1, 64, 128, 512)] == [16.0] * 4
+    assert moe_tile_rows(ds, 513) == 32.0  # 16.03 per expert
+    assert moe_tile_rows(ds, 2048) == 64.0  # 64 per expert
+    assert moe_tile_rows(ds, 1e6) == 128.0  # never above vLLM's largest tile
+    qw = toy(experts=128, topk=8, moe_layers=1)
+    assert moe_tile_rows(qw, 512) == 32.0
+    # the tile follows the load, not the dtype: fp8 weights change nothing
+    assert moe_tile_rows(dataclasses.replace(ds, fp8_gemm=True), 128) == 16.0
+
+
+def test_a_burst_past_the_cache_recomputes_what_preemption_evicts():
+    # KV 100k tokens, 100-token prompts growing to 1,000: 100 fit at full length (the cap),
+    # 200 are admitted (their prompts fit). The cache fills at 100k / 200 = 500 tokens each;
+    # from there R(L) = 100k / L stay, so 200 - 100 = 100 are preempted between 500 and
+    # 1,000 tokens and recomputed: 100k x ln(1000 / 500) = 69.3k tokens, 693 each.
+    s = toy(kv_tokens=100_000, max_num_seqs=256)
+    w = Workload(100, 900, synchronized=True)
+    cap = perf.running_limit(s, w)[0]
+    assert cap == pytest.approx(100)
+    ctx = 100 + 900 / 2
+    one = perf.prompt_s(s, 100_000 * math.log(2) / 100, cap, ctx)[1]
+    assert perf.recompute_s(s, w, 200, cap) == pytest.approx(100 * one)
+    # two cohorts of 200 (a burst of 400 with 256 seats, prompts fitting 999 at once) ...
+    assert perf.recompute_s(s, w, 400, cap) == pytest.approx(
+        400 / 256 * (256 - 100) * perf.prompt_s(
+            s, 100_000 * math.log(1000 / (100_000 / 256)) / 156, cap, ctx)[1])
+    # ... and nothing to recompute while the burst fits at full length
+    assert perf.recompute_s(s, w, 100, cap) == 0.0
+    assert perf.recompute_s(toy(), w, 100, 256) == 0.0
+    # the burst's makespan carries it: more requests past the cap, never faster per request
+    few, many = perf.burst_point(s, w, 100), perf.burst_point(s, w, 200)
+    assert many.requests_per_s <= few.requests_per_s * (1 + 1e-9)
+
+
 def test_batch_one_decode_is_weights_over_bandwidth_plus_fixed_costs():
     s = toy()
     # memory: (10 GB + one token's activations) / (1 TB/s x hbm_eff); compute, 20 GFLOP at

@@ -15,8 +15,9 @@ from click.testing import CliRunner
 from schema_check import schema_errors
 
 from launcher.cli import cli
-from launcher.deployment.argv import KV_TRANSFER_FLAG, engine_argv, pool_argv
+from launcher.deployment.argv import engine_argv, pool_argv
 from launcher.deployment.codec import dump, load
+from launcher.inputs import vllm_flags as F
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
 from launcher.inputs.workload import SLO, Workload
@@ -146,8 +147,8 @@ def test_a_disaggregated_plan_round_trips_and_says_its_pools(model, gpus, inp, o
     assert d.gpus == units * sp.gpus <= d.hardware.count < (units + 1) * sp.gpus
     for p, raw in zip(d.pools, j["pools"], strict=True):
         t = p.transfer
-        assert raw["vllm_args"] == pool_argv(p) == [*engine_argv(p.engine), KV_TRANSFER_FLAG,
-                                                    raw["vllm_args"][-1]]
+        assert raw["vllm_args"] == pool_argv(p) == [
+            *engine_argv(p.engine), F.flag("kv_transfer_config"), raw["vllm_args"][-1]]
         cfg = json.loads(raw["vllm_args"][-1])
         assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                        "kv_buffer_device": "cuda"} == dict(t.config)
@@ -183,6 +184,24 @@ def test_a_disaggregated_plan_round_trips_and_says_its_pools(model, gpus, inp, o
     (why,) = [x for x in d.reasons if x.code == "deployment.chosen"]
     assert why.data["winner"]["deployment"] == "disaggregated"
     assert why.data["runner_up"] is None or why.data["runner_up"]["deployment"] == "aggregated"
+
+
+@pytest.mark.parametrize("model,gpus,inp,out", CASES)
+def test_a_split_plans_reasons_are_its_pools_not_the_aggregated_runner_up(model, gpus, inp, out):
+    """Beyond the choice and the inputs, every reason names the pool(s) it describes; the
+    aggregated runner-up's own decisions (its layout, its batch) are not the deployment's."""
+    r = _planned(model, gpus, inp, out)
+    d = r.deployment
+    codes = [x.code for x in d.reasons]
+    assert codes[0] == "deployment.chosen" and "workload" in codes
+    for x in d.reasons[1:]:
+        if x.code in ("workload", "vllm.version"):
+            continue
+        assert set(x.data["pools"]) <= {"prefill", "decode"} and x.data["pools"], x.code
+        assert x.text.startswith(("both pools: ", "prefill pool: ", "decode pool: ")), x.text
+    (seqs,) = [x for x in d.reasons if x.code == "max_num_seqs.decode_slo"]  # balanced
+    assert seqs.data["max_num_seqs"] == d.pools[1].engine.max_num_seqs
+    assert load(json.loads(json.dumps(dump(d)))) == d
 
 
 @pytest.mark.parametrize("model,gpus,inp,out", CASES[::2])
@@ -227,7 +246,7 @@ def test_off_is_todays_plan_plus_its_reason():
     (["--prefill-tp", "4", "--decode-tp", "2", "--gpus", "8xH100"], "decode TP >= 4"),
     (["--prefill-tp", "2", "--decode-tp", "4", "--kv-connector", "MooncakeConnector",
       "--gpus", "8xH100"], "same tensor-parallel size"),
-    (["--disaggregate", "on", "--emit", "DIR", "--gpus", "8xH100"], "not emitted per pool"),
+    (["--disaggregate", "on", "--emit", "DIR", "--gpus", "8xH100"], "--role prefill or --role"),
 ])
 def test_bad_disaggregation_input_is_one_line(args, says, tmp_path):
     args = [str(tmp_path) if a == "DIR" else a for a in args]
@@ -259,7 +278,7 @@ def test_the_text_shows_both_pools_and_their_commands():
                   "VLLM_NIXL_SIDE_CHANNEL_PORT=5600", "VLLM_NIXL_SIDE_CHANNEL_PORT=5608",
                   "deployment disaggregated"):
         assert piece in r.output, piece
-    assert r.output.count(KV_TRANSFER_FLAG) == 2
+    assert r.output.count(F.flag("kv_transfer_config")) == 2
 
 
 def test_every_pairing_the_sweep_emits_passes_the_connector_rules():

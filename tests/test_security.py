@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from plan_factory import deployment
 
 from launcher import paths
 from launcher.cli import cli
+from launcher.deployment.argv import pool_argv
+from launcher.deployment.codec import dump, load
 from launcher.errors import InputError
 from launcher.redact import REDACTED, SECRET_FLAGS, command_line_warning, redact_args, redact_env
 from launcher.run import multinode
@@ -144,14 +147,13 @@ def test_multinode_exec_dry_run_never_prints_a_secret(tmp_path, monkeypatch):
     from launcher.run.serve import run_node
 
     key = "sk-" + secrets.token_hex(12)
-    from launcher.deployment.codec import dump
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
     from launcher.predict.search.planner import Pins, make_plan
 
     plan = make_plan(load_model("llama-3.1-70b"), parse_gpus("2x8xH100"),
                      Pins(tp=8, pp=2, vllm_version="0.32.0")).deployment()
-    launch = multinode.build_launch(dump(plan), environ={}, role="leader",
+    launch = multinode.build_launch(plan, environ={}, role="leader",
                                     leader_address="127.0.0.1")
     lines: list[str] = []
     rc = run_node(launch, plan, port=None, metrics_port=None, metrics_bind="127.0.0.1",
@@ -177,14 +179,9 @@ def test_tune_refuses_a_secret_in_a_candidate_before_recording_it(tmp_path):
 # ---- a tampered multi-node plan -----------------------------------------------------------
 
 
-def _mn_plan(**more) -> dict:
-    plan = {"gpus": {"name": "H100", "nodes": 2, "gpus_per_node": 8},
-            "parallel": {"tp": 16, "pp": 1, "dp": 1, "expert_parallel": False, "nodes": 2},
-            "vllm_args": ["--model", "deepseek-ai/DeepSeek-R1", "--tensor-parallel-size", "16",
-                          "--max-model-len", "32768", "--enable-chunked-prefill"],
-            "env": {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}}
-    plan.update(more)
-    return plan
+def _mn_plan(env=None):
+    """A typed two-node TP16 plan (tests/plan_factory.py)."""
+    return deployment(tp=16, nodes=2, enable_chunked_prefill=True, env=env)
 
 
 @pytest.mark.parametrize("env", [{"LD_PRELOAD": "/tmp/evil.so"}, {"PYTHONPATH": "/tmp"},
@@ -192,8 +189,7 @@ def _mn_plan(**more) -> dict:
                                  {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
                                  {"VLLM_ENGINE_READY_TIMEOUT_S": ["x"]}])
 def test_multinode_refuses_env_the_planner_never_writes(env):
-    plan = _mn_plan()
-    plan["env"] = {**plan["env"], **env}
+    plan = _mn_plan({"VLLM_ENGINE_READY_TIMEOUT_S": "1800", **env})
     with pytest.raises(InputError, match="never writes"):
         multinode.build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
 
@@ -203,10 +199,15 @@ def test_multinode_refuses_env_the_planner_never_writes(env):
                                    ["--max-num-seqs", "--trust-remote-code"],
                                    ["--enforce-eager=--x"], ["--allowed-local-media-path", "/"]])
 def test_multinode_refuses_args_the_planner_never_writes(extra):
+    # what a typed engine cannot hold reaches multinode only as a hand-edited plan.json, which
+    # the codec refuses; the allow-list multinode runs on every argv refuses it as well
     plan = _mn_plan()
-    plan["vllm_args"] = plan["vllm_args"] + extra
+    raw = dump(plan)
+    raw["pools"][0]["vllm_args"] += extra
+    with pytest.raises(InputError, match="differ from the arguments"):
+        load(raw)
     with pytest.raises(InputError, match="never writes"):
-        multinode.build_launch(plan, environ={}, role="worker", leader_address="127.0.0.1")
+        multinode.check_plan_flags(pool_argv(plan.pool) + extra)
 
 
 def test_every_plan_the_planner_makes_passes_the_multinode_allowlist():

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,8 +27,22 @@ pytestmark = pytest.mark.engine
 PAGE = 128 * 3 * 576 * 2  # 128 tokens of the tiny model: 3 layers x 576-wide latent x 2 B (bf16)
 
 
+def _own_port(args: tuple[str, ...]) -> list[str]:
+    """serve/exec on a port the kernel just gave out, not the first free one from 8000 that
+    another run on this machine (the fast suite runs beside this one) may take between two
+    attempts; the port-choosing rule has its own fake-engine tests."""
+    out = list(args)
+    if out[0] in ("serve", "exec") and "--port" not in out:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        at = out.index("--") if "--" in out else len(out)
+        out[at:at] = ["--port", port]
+    return out
+
+
 def _vlaunch(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", *_own_port(args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, **(env or {})}, **kw)
     proc.lines = []  # type: ignore[attr-defined]
@@ -76,6 +91,10 @@ def _complete(base: str, model: str) -> dict:
 
 
 def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM the run's group; a run that already ended keeps the test's own failure visible
+    (its exit status is returned instead of a ProcessLookupError masking the assertion)."""
+    if proc.poll() is not None:
+        return proc.returncode
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         return proc.wait(120)

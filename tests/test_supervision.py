@@ -565,7 +565,7 @@ def _run_node(launch, plan, tmp_path, **kw) -> tuple[int, list[str]]:
 
 def test_ray_worker_runs_ray_start_not_vllm(env, model, tmp_path, fake_ray):
     plan = _ray_plan(model)
-    launch = build_launch(dump(plan), environ={}, role="worker", leader_address="10.0.0.1")
+    launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=True)
     words = [w for w in _last_command(lines).split()
              if not re.match(r"^[A-Z_]+=", w)]  # after the env
@@ -581,7 +581,7 @@ def test_a_worker_serves_its_gpus_for_the_probes_and_no_engine_series(env, model
     scrape, so vlaunch_engine_up would be 0 and page EngineDown) and no plan series."""
     monkeypatch.setenv("RAY_SLEEP", "30")
     plan = _ray_plan(model)
-    launch = build_launch(dump(plan), environ={}, role="worker", leader_address="10.0.0.1")
+    launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
     lines: list[str] = []
     pages: list[str] = []
 
@@ -619,7 +619,7 @@ def _is_fake_ray(pid: int, tmp_path: Path) -> bool:
 def test_ray_leader_starts_the_head_then_vllm(env, model, tmp_path, fake_ray):
     env("ready", lifetime=1, lifetime_from="ready", argv_file=tmp_path / "argv.json")
     plan = _ray_plan(model)
-    launch = build_launch(dump(plan), environ={}, role="leader", leader_address="127.0.0.1")
+    launch = build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=False)
     assert fake_ray() == [["start", "--head", "--port=6379"]]
     argv = json.loads((tmp_path / "argv.json").read_text())
@@ -631,7 +631,7 @@ def test_ray_leader_starts_the_head_then_vllm(env, model, tmp_path, fake_ray):
 def test_failing_ray_head_is_one_line(env, model, tmp_path, fake_ray, monkeypatch):
     monkeypatch.setenv("RAY_FAIL", "1")
     plan = _ray_plan(model)
-    launch = build_launch(dump(plan), environ={}, role="leader", leader_address="127.0.0.1")
+    launch = build_launch(plan, environ={}, role="leader", leader_address="127.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=False)
     assert rc == 1
     assert lines == ["vlaunch: `ray start --head --port=6379` failed with status 1: "
@@ -655,7 +655,7 @@ def test_mp_worker_runs_headless_vllm_and_refuses_a_layout_change(env, model, tm
 
     plan = make_plan(load_model(str(model)), parse_gpus("2x4xH100"),
                      Pins(tp=4, pp=2)).deployment()
-    launch = build_launch(dump(plan), environ={}, role="worker", leader_address="10.0.0.1")
+    launch = build_launch(plan, environ={}, role="worker", leader_address="10.0.0.1")
     rc, lines = _run_node(launch, plan, tmp_path, dry_run=True)
     words = _last_command(lines).split()
     assert rc == 0 and "--headless" in words and "--port" not in words

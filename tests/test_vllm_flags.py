@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from plan_factory import deployment, with_engine
 
 from launcher.cli import cli
+from launcher.deployment.argv import pool_argv
+from launcher.deployment.codec import dump, load
 from launcher.errors import InputError
 from launcher.inputs import vllm_flags as F
 from launcher.paths import profiles_dir, read_yaml
@@ -194,20 +197,27 @@ def test_no_vllm_flag_is_spelt_in_more_than_two_modules():
 # ---- a hostile plan (issue 31 H2; loopback only, nothing started) ------------------------------
 
 
-def _mn_plan(**more) -> dict:
-    plan = {"model": {"hf_id": "deepseek-ai/DeepSeek-R1", "path": None},
-            "gpus": {"name": "H100", "nodes": 2, "gpus_per_node": 8},
-            "parallel": {"tp": 16, "pp": 1, "dp": 1, "expert_parallel": False, "nodes": 2},
-            "vllm_args": ["--model", "deepseek-ai/DeepSeek-R1", "--tensor-parallel-size", "16",
-                          "--max-model-len", "32768", "--enable-chunked-prefill"],
-            "env": {"VLLM_ENGINE_READY_TIMEOUT_S": "1800"}}
-    plan.update(more)
-    return plan
+def _mn_plan(**more):
+    """A typed two-node TP16 plan (tests/plan_factory.py); `more`: env, model_path, vllm_version,
+    or any engine field."""
+    return deployment(tp=16, nodes=2, enable_chunked_prefill=True, **more)
 
 
-def _launch(plan: dict, **kw):
+def _launch(plan, **kw):
     return multinode.build_launch(plan, environ=kw.pop("environ", {}), role="leader",
                                   leader_address="127.0.0.1", **kw)
+
+
+def _tampered(extra: list[str]) -> None:
+    """What multinode checks every argv it launches with (`check_plan_flags`), on the plan's own
+    arguments with `extra` added: a typed engine cannot hold most of these, and the codec refuses
+    a plan.json whose vllm_args its engine does not give (test_multinode.py); this is the
+    allow-list behind both."""
+    plan = _mn_plan()
+    multinode.check_plan_flags(pool_argv(plan.pool) + extra, multinode.plan_context(plan))
+    raw = dump(plan)  # what the allow-list lets through, the codec's argv check must refuse
+    raw["pools"][0]["vllm_args"] += extra
+    load(raw)
 
 
 @pytest.mark.parametrize("name", ["VLLM_NCCL_SO_PATH", "VLLM_CUDART_SO_PATH", "VLLM_CACHE_ROOT",
@@ -243,10 +253,16 @@ def test_multinode_takes_the_cache_root_only_as_its_own_environment_gives_it():
     ["--reasoning-parser", "../x"], ["--kv-cache-dtype", "fp8;rm"], ["--enforce-eager=yes"],
 ])
 def test_multinode_refuses_flags_and_values_a_plan_may_not_carry(extra):
-    plan = _mn_plan()
-    plan["vllm_args"] = plan["vllm_args"] + extra
     with pytest.raises(InputError, match="never writes"):
-        _launch(plan)
+        _tampered(extra)
+
+
+@pytest.mark.parametrize("engine", [{"model": "/elsewhere"}, {"chat_template": "/etc/shadow"},
+                                    {"kv_cache_dtype": "fp8;rm"}, {"reasoning_parser": "../x"},
+                                    {"max_num_seqs": 2**60}, {"gpu_memory_utilization": 1.02}])
+def test_multinode_refuses_a_typed_engine_holding_a_value_a_plan_may_not_carry(engine):
+    with pytest.raises(InputError, match="never writes"):
+        _launch(with_engine(_mn_plan(), **engine))
 
 
 def test_a_chat_template_in_the_plans_folder_or_the_models_is_taken(tmp_path):
@@ -257,15 +273,11 @@ def test_a_chat_template_in_the_plans_folder_or_the_models_is_taken(tmp_path):
     (tmp_path / "plan" / "t.jinja").write_text("{{ x }}")
     for template, kw in ((model / "t.jinja", {}), (tmp_path / "plan" / "t.jinja",
                                                   {"plan_dir": str(tmp_path / "plan")})):
-        plan = _mn_plan(model={"hf_id": "m", "path": str(model)})
-        plan["vllm_args"] = ["--model", str(model), "--tensor-parallel-size", "16",
-                             "--chat-template", str(template)]
+        plan = _mn_plan(model="m", model_path=str(model), chat_template=str(template))
         assert str(template) in _launch(plan, **kw).argv
     (model / "link.jinja").symlink_to("/etc/passwd")  # inside by name, outside by target
     for template in (model / "link.jinja", model / ".." / ".." / "etc" / "passwd"):
-        plan = _mn_plan(model={"hf_id": "m", "path": str(model)})
-        plan["vllm_args"] = ["--model", str(model), "--tensor-parallel-size", "16",
-                             "--chat-template", str(template)]
+        plan = _mn_plan(model="m", model_path=str(model), chat_template=str(template))
         with pytest.raises(InputError, match="chat-template"):
             _launch(plan)
 
@@ -429,10 +441,7 @@ def test_a_multinode_plan_for_a_vllm_without_the_node_flags_is_refused():
     with pytest.raises(InputError, match="no --nnodes .first in 0.11.1"):
         _launch(plan)
     assert "--nnodes" in _launch(_mn_plan(vllm_version="0.11.1")).argv
-    dp = _mn_plan(vllm_version="0.8.5")
-    dp["parallel"].update(tp=8, dp=2)
-    dp["vllm_args"] = ["--model", "deepseek-ai/DeepSeek-R1", "--tensor-parallel-size", "8",
-                       "--data-parallel-size", "2"]
+    dp = deployment(tp=8, dp=2, nodes=2, vllm_version="0.8.5")
     with pytest.raises(InputError, match="data-parallel-size-local .first in 0.9.0"):
         _launch(dp)
 
@@ -473,9 +482,7 @@ def test_no_spelling_of_a_flag_a_plan_may_not_carry_gets_through():
         spellings = [*f.names, "--" + f.dest, *(f.name[:i] for i in range(4, len(f.name)))]
         for word in spellings:
             for form in ([word], [word, "v"], [f"{word}=v"], [word, str(rng.randint(1, 99))]):
-                plan = _mn_plan()
-                plan["vllm_args"] = plan["vllm_args"] + form
                 with pytest.raises(InputError):  # refused, whichever check sees it first
-                    _launch(plan)
+                    _tampered(form)
                 cases += 1
     assert cases > 500

@@ -188,6 +188,24 @@ def disaggregate_options(f):
                              "objective; on: always split; off: one aggregated pool.")(f)
 
 
+def role_option(f):
+    """--role: which pool of a disaggregated plan this invocation writes (one pod's engine)."""
+    return click.option("--role", type=click.Choice(["prefill", "decode"]),
+                        help="The pool of the disaggregated plan to emit or print: plan.json "
+                             "holds the whole deployment and names this pool; vllm-args, "
+                             "vllm.env and the ScaledObject are this pool's (needs a plan that "
+                             "splits: --disaggregate on, or auto where splitting wins).")(f)
+
+
+def check_role(role: str | None, disaggregate: str | None) -> None:
+    """--role names a pool of a split plan: with --disaggregate off there is none (one line,
+    exit 2, before anything is planned)."""
+    if role and disaggregate == "off":
+        raise InputError(f"--role {role} runs one pool of a disaggregated plan, and "
+                         "--disaggregate off plans one aggregated pool; pass --disaggregate on "
+                         "(or auto), or drop --role")
+
+
 def build_deployment(model: str, gpus: str | None, revision: str | None = None, *,
                      disaggregate: str = "auto", kv_connector: str | None = None,
                      prefill_tp: int | None = None, decode_tp: int | None = None, **kw):

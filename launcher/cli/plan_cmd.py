@@ -11,10 +11,12 @@ from ..errors import InputError, NotFitError
 from .group import cli, format_option
 from .options import (
     build_deployment,
+    check_role,
     disaggregate_options,
     pin_option,
     plan_options,
     revision_option,
+    role_option,
     scaling_options,
     split_goals,
     workload_options,
@@ -39,8 +41,9 @@ from .options import pins as _pins
               help="End the page with vLLM's own /metrics, so Prometheus needs only this port "
                    "(default: VLAUNCH_METRICS_RELAY=1 turns it on; the manifests do).")
 @click.option("--role", type=click.Choice(["prefill", "decode"]),
-              help="The pool of a disaggregated plan this engine is (default: the first); its "
-                   "series carry the label role.")
+              help="The pool of a disaggregated plan this engine is (default: the pool an "
+                   "emitted folder names, `plan --role R --emit`, else the first); its series "
+                   "carry the label role.")
 @format_option("text: what it serves, one line each; json: the same as JSON lines "
                "({\"message\": ...}) for log collectors.")
 def exporter_cmd(vllm_url: str, plan_path: str | None, port: int, bind: str, timeout: float,
@@ -97,7 +100,7 @@ def format_plan(dep, fmt: str) -> str:
         import yaml
 
         return yaml.safe_dump(d, sort_keys=False)
-    if fmt == "args":
+    if fmt == "args":  # the pool it runs: the aggregated one, or the one --role names
         return "\n".join(pool_argv(dep.pool) if dep.fits else [])
     return plan_text(dep)
 
@@ -129,11 +132,13 @@ def _write_atomic(path: str, text: str) -> None:
 @plan_options
 @scaling_options
 @disaggregate_options
+@role_option
 @format_option("text for people; json or yaml for scripts; args: vLLM's flags, one a line.",
                "yaml", "args")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomic).")
 @click.option("--emit", "emit_dir", type=click.Path(file_okay=False),
-              help="Write plan.json, vllm-args and vllm.env into DIR (init-container mode).")
+              help="Write plan.json, vllm-args and vllm.env into DIR (init-container mode; a "
+                   "disaggregated plan: one pool's, with --role).")
 @click.option("--termination-log", default="/dev/termination-log", show_default=True,
               help="With --emit: where a does-not-fit explanation goes (if the file exists).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
@@ -141,7 +146,7 @@ def _write_atomic(path: str, text: str) -> None:
                    "PNG (needs matplotlib: pip install 'vlaunch[plot]').")
 def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
              output: str | None, emit_dir: str | None, termination_log: str,
-             plot_path: str | None, **pins) -> None:
+             plot_path: str | None, role: str | None, **pins) -> None:
     """Plan MODEL: a profile, a Hugging Face id (ORG/NAME: the local HF cache, then the Hub;
     weights are never downloaded), or a local model dir / config.json.
 
@@ -149,13 +154,18 @@ def plan_cmd(model: str, revision: str | None, gpus: str | None, fmt: str,
     """
     if output:
         _check_folder(output, "-o")
-    if emit_dir and pins.get("disaggregate") == "on":
-        raise InputError("--emit writes one engine's files (one pod); a disaggregated plan is "
-                         "not emitted per pool yet: use --format json -o FILE for it, or "
-                         "--disaggregate off with --emit")
-    if emit_dir:  # the init container runs one engine: its plan stays aggregated
+    check_role(role, pins.get("disaggregate"))
+    if emit_dir and not role and pins.get("disaggregate") == "on":
+        raise InputError("--emit writes one engine's files (one pod); emit each pool of a "
+                         "disaggregated plan in its own folder with --role prefill or --role "
+                         "decode, or plan aggregated (--disaggregate off)")
+    if emit_dir and not role:  # the init container runs one engine: its plan stays aggregated
         pins["disaggregate"] = "off"
     dep = build_deployment(model, gpus, revision, **pins)
+    if role:  # the whole deployment, naming the pool this invocation writes (deterministic)
+        from ..run.emit import pool_plan
+
+        dep = pool_plan(dep, role)
     if plot_path:
         if dep.kind == "disaggregated":
             click.echo(f"vlaunch: warning: --plot {plot_path}: nothing drawn, a disaggregated "

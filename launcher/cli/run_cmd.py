@@ -151,23 +151,21 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
     import os
     from pathlib import Path
 
-    from ..deployment.codec import dump
     from ..run.emit import load_plan
     from ..run.exec_check import check_exec_plan
 
     opts = {k: kw.pop(k) for k in _SERVE_KEYS}
     dep = load_plan(plan_path)  # one line naming a missing or mistyped field, exit 2
-    if dep.kind == "disaggregated":
-        raise InputError("this plan is disaggregated (a prefill and a decode pool): exec runs "
-                         "one engine; run each pool where it is placed, or on one machine "
-                         "`vlaunch serve MODEL --disaggregate on`")
     plan_dir = str(Path(plan_path) if Path(plan_path).is_dir() else Path(plan_path).parent)
     check_exec_plan(dep, plan_dir)
+    from ..run.exec_plan import check_pool_plan
+
+    check_pool_plan(dep, replan)  # a disaggregated plan runs one pool: the one it names
     if dep.engine.parallel.nodes > 1 or role or os.environ.get("LWS_WORKER_INDEX"):
         from ..run.multinode import build_launch
         from ..run.serve import run_node
 
-        launch = build_launch(dump(dep), role=role, plan_dir=plan_dir)
+        launch = build_launch(dep, role=role, plan_dir=plan_dir)
         log_dir = Path(opts["log_dir"])
         log_dir.mkdir(parents=True, exist_ok=True)
         as_json = opts["fmt"] == "json"

@@ -14,12 +14,6 @@ from typing import Any
 from ..inputs import vllm_flags
 from .plan import EngineConfig, Pool
 
-KV_TRANSFER_FLAG = "--kv-transfer-config"
-"""vLLM's KVTransferConfig as JSON (vllm/engine/arg_utils.py EngineArgs.kv_transfer_config). Not
-in the flag table yet: the table's releases are read from every sdist since 0.6.0
-(tests/fixtures/vllm_flag_releases.csv, bench/flag_releases.py) and that reading has not been
-rerun for this flag; profiles/connectors.yaml gates the connectors and fields by release."""
-
 
 def engine_values(e: EngineConfig) -> list[tuple[str, Any]]:
     """Every flag the plan sets for engine `e`, as (vLLM dest, value)."""
@@ -50,6 +44,9 @@ def engine_values(e: EngineConfig) -> list[tuple[str, Any]]:
                                 "num_speculative_tokens": s.num_speculative_tokens}
          if s else None),
         ("all2all_backend", e.all2all_backend),
+        ("enable_eplb", e.enable_eplb),
+        ("eplb_config", {"num_redundant_experts": e.num_redundant_experts}
+         if e.enable_eplb and e.num_redundant_experts else None),
         ("enable_reasoning", bool(e.reasoning_parser) and e.enable_reasoning),
         ("reasoning_parser", e.reasoning_parser),
         ("tool_call_parser", e.tool_call_parser),
@@ -68,7 +65,7 @@ def pool_argv(pool: Pool) -> list[str]:
     """vLLM's arguments for one engine of `pool`: its engine's, then its side of the KV
     hand-off (a prefill or decode pool)."""
     out = engine_argv(pool.engine)
-    if pool.transfer is not None:
-        out += [KV_TRANSFER_FLAG, json.dumps(dict(pool.transfer.config), sort_keys=True,
-                                             separators=(",", ":"))]
+    if pool.transfer is not None:  # vllm/engine/arg_utils.py EngineArgs.kv_transfer_config
+        out += vllm_flags.argv([("kv_transfer_config", json.dumps(
+            dict(pool.transfer.config), sort_keys=True, separators=(",", ":")))])
     return out

@@ -2,11 +2,12 @@
 
 `load(dump(d)) == d`. The JSON is the Deployment's fields, among them the keys scripts read
 since before pools existed (`parallel`, `max_model_len`, ..., `vllm_args`, `env`, `serving`),
-read from the first pool, and `pools` (each pool whole, with its `engine`: every vLLM flag's
-value): the `TOP` table says which and in what order. `load` reads the pools and
-the deployment's own fields, type by type from the dataclasses' annotations, and says in one
-line which field is missing or wrong (an `InputError`: exit 2), so no other module needs to
-subscript a plan dict.
+read from the pool the plan runs (the aggregated one; in a pool's folder, `vlaunch plan --role R
+--emit`, the pool `role` names), and `pools` (each pool whole, with its `engine`: every vLLM
+flag's value): the `TOP` table says which and in what order; `role` only where set. `load`
+reads the pools and the deployment's own fields, type by type from the dataclasses'
+annotations, and says in one line which field is missing or wrong (an `InputError`: exit 2), so
+no other module needs to subscript a plan dict.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ JSON_KEY: dict[type, dict[str, str]] = {}
 OMIT_IF_NONE: dict[type, tuple[str, ...]] = {
     P.ModelRef: ("revision", "commit", "params_by_dtype", "checkpoint_params"),
     P.Performance: ("measured",),
-    P.Deployment: ("tuned",),
+    P.Deployment: ("tuned", "role"),  # role: only a pool's folder says which pool it runs
 }
 
 # The top level of the plan's JSON, in its order: each key is a field of the Deployment, or
-# (`pool:PATH`) a summary key scripts have read since before pools, the first pool's JSON at
-# PATH. A Deployment field TOP does not name is written after these, under its own name, so a
-# new field needs no edit here. deployment/schema.py types every key from the same table.
+# (`pool:PATH`) a summary key scripts have read since before pools, the JSON at PATH of the pool
+# the plan runs (`Deployment.pool`). A Deployment field TOP does not name is written after
+# these, under its own name, so a new field needs no edit here. deployment/schema.py types
+# every key from the same table.
 TOP: dict[str, str] = {
     "fits": "fits", "model": "model", "gpus": "hardware",
     "parallel": "pool:parallel",
@@ -59,7 +61,7 @@ TOP: dict[str, str] = {
     "suggestions": "suggestions", "alternatives": "runners_up", "performance": "performance",
     "problem": "problem", "serving": "pool:serving", "startup": "pool:startup",
     "autoscaling": "pool:autoscaling", "objective": "objective", "workload": "workload",
-    "slo": "slo", "deployment": "kind", "pools": "pools", "tuned": "tuned",
+    "slo": "slo", "deployment": "kind", "pools": "pools", "tuned": "tuned", "role": "role",
 }
 POOL = "pool:"
 SUMMARY: dict[str, str] = {k: v[len(POOL):] for k, v in TOP.items() if v.startswith(POOL)}
@@ -157,7 +159,8 @@ def _alternative_json(d: P.Deployment, a: P.Alternative) -> dict[str, Any]:
 
 
 def _summary(first: dict[str, Any]) -> dict[str, Any]:
-    """The summary keys, read from the first pool's JSON (copies: an edit of one is an edit)."""
+    """The summary keys, read from the JSON of the pool the plan runs (copies: an edit of one
+    is an edit)."""
     out = {k: copy.deepcopy(_item(first, path)) for k, path in SUMMARY.items()}
     for key, extra in SUMMARY_EXTRA.items():
         out[key] = {**out[key], **{k: _item(first, path) for k, path in extra.items()}}
@@ -167,7 +170,7 @@ def _summary(first: dict[str, Any]) -> dict[str, Any]:
 def dump(d: P.Deployment) -> dict[str, Any]:
     """The plan's JSON (`vlaunch plan --format json`, plan.json): `top_level()`'s keys."""
     pools = [pool_json(d, p) for p in d.pools]
-    summary = _summary(pools[0])
+    summary = _summary(pools[d.pools.index(d.pool)])  # the pool it runs
     block = {"performance": lambda: _deployment_performance(d), "pools": lambda: pools,
              "runners_up": lambda: [_alternative_json(d, a) for a in d.runners_up]}
     out: dict[str, Any] = {}
@@ -312,6 +315,11 @@ def _check(d: P.Deployment, raw: dict[str, Any]) -> None:
             raise InputError(f"the plan's `{where}.vllm_args` differ from the arguments its "
                              f"`{where}.engine` gives ({' '.join(map(str, want))[:60]}...); "
                              f"edit the engine, not the argv, or {FIX}")
+    if d.role is not None and (d.kind != "disaggregated"
+                               or d.role not in {p.role for p in d.pools}):
+        raise InputError(f"the plan's `role` is {d.role!r} but it has no {d.role} pool (its "
+                         f"pools: {', '.join(p.role for p in d.pools)}); re-emit it with "
+                         "`vlaunch plan MODEL --disaggregate on --role prefill|decode --emit DIR`")
     hw = d.hardware
     for name, n in (("gpus.nodes", hw.nodes), ("gpus.gpus_per_node", hw.gpus_per_node)):
         if n < 1:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["aggregated", "prefill", "decode"]
+PoolRole = Literal["prefill", "decode"]
+"""The pools of a disaggregated deployment; one of them is what an emitted folder runs."""
 Kind = Literal["aggregated", "disaggregated"]
 Objective = Literal["balanced", "throughput", "latency"]
 
@@ -185,6 +187,8 @@ class EngineConfig:
     chat_template: str | None = None
     tokenizer_mode: str | None = None
     distributed_executor_backend: str = "mp"
+    enable_eplb: bool = False  # vLLM's expert-parallel load balancer (predict/features/eplb.py)
+    num_redundant_experts: int | None = None  # --eplb-config's, with enable_eplb
 
 
 @dataclass(frozen=True)
@@ -274,10 +278,26 @@ class EPBackend:
 
 
 @dataclass(frozen=True)
+class EPLB:
+    """The expert-parallel load balancer decision (predict/features/eplb.py): on or off, its
+    redundant experts and the bytes they take from each GPU's KV cache, and why."""
+
+    applies: bool
+    enabled: bool
+    pinned: bool
+    ep_size: int
+    num_redundant_experts: int
+    slots_per_rank: int
+    bytes_per_gpu: int
+    reason: Reason | None = None
+
+
+@dataclass(frozen=True)
 class Serving:
     speculative: Speculative
     parsers: Parsers
     ep_backend: EPBackend
+    eplb: EPLB | None = None
 
 
 @dataclass(frozen=True)
@@ -410,11 +430,20 @@ class Deployment:
     suggestions: tuple[Reason, ...] = ()
     runners_up: tuple[Alternative, ...] = ()
     tuned: Mapping[str, Any] | None = None  # `vlaunch tune`'s pick: its trial and measurement
+    role: PoolRole | None = None
+    """The pool of a disaggregated plan that this copy runs (`vlaunch plan --role R --emit DIR`:
+    one folder per pool, each holding the whole plan so that every pod of either pool agrees on
+    it); None: the whole plan, nothing chosen."""
 
     @property
     def pool(self) -> Pool:
-        """The first pool: the aggregated one, or the prefill pool of a disaggregated plan (the
-        top-level keys of the JSON have always meant this one)."""
+        """The pool this plan runs: the one `role` names, else the first (the aggregated one, or
+        the prefill pool of a disaggregated plan). The top-level keys of the JSON mean this
+        one, so a pool's folder reads like an aggregated plan of that pool."""
+        if self.role is not None:
+            for p in self.pools:
+                if p.role == self.role:
+                    return p
         return self.pools[0]
 
     @property
@@ -424,4 +453,4 @@ class Deployment:
 
     @property
     def engine(self) -> EngineConfig:
-        return self.pools[0].engine
+        return self.pool.engine

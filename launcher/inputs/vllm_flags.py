@@ -31,7 +31,6 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
@@ -49,6 +48,8 @@ REVISION = "revision"  # a Hub branch, tag or commit
 MODEL = "model"  # exactly the plan's own model
 PATH = "path"  # a file inside the model's folder or the plan's folder
 SPECULATIVE = "speculative"  # {"method": NAME, "num_speculative_tokens": COUNT}, nothing else
+EPLB = "eplb"  # {"num_redundant_experts": COUNT}, nothing else
+KV_TRANSFER = "kv_transfer"  # {"kv_connector": a known connector, "kv_role", "kv_buffer_device"}
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,14 @@ _FLAGS = (
                     "Pin the DP+EP all-to-all backend (e.g. deepep_low_latency).",
                     group="serving")),
     FlagSpec("speculative_config", JSON, ("-sc",), plan=SPECULATIVE, since="0.8.2"),
+    # EPLB (predict/features/eplb.py): vLLM's expert-parallel load balancer and the redundant
+    # experts it places (config/parallel.py ParallelConfig.enable_eplb, EPLBConfig)
+    FlagSpec("enable_eplb", SWITCH, plan=SWITCH, since="0.9.2",
+             pin=_p("--eplb", "eplb", "Pin vLLM's expert-parallel load balancer with its "
+                    "redundant experts (wide-EP MoE).", negatable=True, group="serving")),
+    FlagSpec("eplb_config", JSON, plan=EPLB, since="0.10.2"),
+    FlagSpec("kv_transfer_config", JSON, plan=KV_TRANSFER, since="0.6.5",
+             note="a P/D pool's side of the KV hand-off (predict/features/connectors.py)"),
     # --- set by vlaunch at launch, never by a plan ----------------------------------------------
     FlagSpec("port", INT, suggest=True, note="serve picks a free one; the doctor may move it"),
     FlagSpec("host", STR, note="serve binds loopback unless told (launcher/run/exposure.py)"),
@@ -427,6 +436,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 _SERVED = re.compile(r"[^\x00-\x20\x7f-\x9f-][^\x00-\x1f\x7f-\x9f]{0,255}")
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./-]{0,254}")
 _SPEC_KEYS = {"method": NAME, "num_speculative_tokens": COUNT}
+_EPLB_KEYS = {"num_redundant_experts": COUNT}
 
 
 @dataclass(frozen=True)
@@ -476,12 +486,21 @@ def _check(f: FlagSpec, check: str, v: Any, ctx: PlanContext | None = None) -> s
         return "is not a file inside the model's folder or the plan's folder"
     if check == SPECULATIVE:
         return _check_speculative(v)
+    if check == EPLB:
+        return _check_object(v, _EPLB_KEYS, f)
+    if check == KV_TRANSFER:
+        return _check_kv_transfer(v)
     return "cannot be checked"
 
 
 def _check_speculative(v: Any) -> str | None:
     """MTP's config as the planner writes it (deployment/argv.py engine_values): a method name and a
     draft count; a `model`, a draft path or anything else names code or weights to load."""
+    return _check_object(v, _SPEC_KEYS, BY_DEST["speculative_config"])
+
+
+def _check_object(v: Any, keys: Mapping[str, str], f: FlagSpec) -> str | None:
+    """A JSON object flag as the planner writes it: only `keys`, each value passing its check."""
     try:
         obj = json.loads(v) if isinstance(v, str) else None
     except (ValueError, RecursionError):
@@ -489,12 +508,44 @@ def _check_speculative(v: Any) -> str | None:
     if not isinstance(obj, dict) or not obj:
         return "is not a JSON object"
     for key, val in obj.items():
-        check = _SPEC_KEYS.get(key)
+        check = keys.get(key)
         if check is None:
             return f"sets {str(key)[:40]!r}, which the planner never writes"
-        if _check(BY_DEST["speculative_config"], check, val) is not None:
+        if _check(f, check, val) is not None:
             return f"has {key}={val!r:.40}"
     return None
+
+
+_KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_KV_DEVICES = ("cuda", "cpu")
+_STORE = "/var/run/vlaunch-kv"  # ExampleConnector's store in a pod (predict/search/pd_pools.py)
+
+
+def _check_kv_transfer(v: Any) -> str | None:
+    """A pool's KVTransferConfig as the planner writes it (predict/features/connectors.py
+    Transfer.config): a connector the connector table knows, a kv_role, a buffer device, and
+    for a shared-store connector only its store. Never `kv_connector_module_path` (it imports a
+    module) or any field the planner does not write."""
+    from ..paths import profiles_dir, read_yaml
+
+    try:
+        obj = json.loads(v) if isinstance(v, str) else None
+    except (ValueError, RecursionError):
+        obj = None
+    if not isinstance(obj, dict) or not obj:
+        return "is not a JSON object"
+    allowed = {"kv_connector": tuple(read_yaml(profiles_dir() / "connectors.yaml")["connectors"]),
+               "kv_role": _KV_ROLES, "kv_buffer_device": _KV_DEVICES}
+    for key, val in obj.items():
+        if key == "kv_connector_extra_config":
+            ok = val == {"shared_storage_path": _STORE}
+        elif key in allowed:
+            ok = isinstance(val, str) and val in allowed[key]
+        else:
+            return f"sets {str(key)[:40]!r}, which the planner never writes"
+        if not ok:
+            return f"has {key}={val!r:.40}"
+    return None if "kv_connector" in obj else "names no kv_connector"
 
 
 def _number(v: Any, kind: type) -> float | None:
@@ -556,7 +607,14 @@ PLAN_ENV = {
     "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "bit",
     "VLLM_ALL2ALL_BACKEND": NAME,
     "VLLM_CACHE_ROOT": "own",  # only the value this process's own environment gives
+    # a P/D pool's side of the KV hand-off (predict/features/connectors.py Transfer.env)
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "host",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "port",
+    "UCX_TLS": "words",
+    "UCX_NET_DEVICES": "words",
 }
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:-]{0,252}")  # an address or a host name
+_WORDS = re.compile(r"\^?[A-Za-z0-9_.:-]{1,64}(,\^?[A-Za-z0-9_.:-]{1,64}){0,31}")  # UCX lists
 
 
 def _own_cache_root(environ: Mapping[str, str]) -> str | None:
@@ -574,6 +632,10 @@ def _env_ok(check: str, text: str, environ: Mapping[str, str]) -> bool:
         return text in ("0", "1")
     if check == NAME:
         return _NAME.fullmatch(text) is not None
+    if check == "port":
+        return 1 <= (_number(text, int) or 0) <= 65535
+    if check in ("host", "words"):
+        return (_HOST if check == "host" else _WORDS).fullmatch(text) is not None
     return text == _own_cache_root(environ)
 
 
@@ -594,12 +656,3 @@ def check_plan_env(env: Mapping[object, object],
             raise _refuse(f"{name}={text[:64]!r}")
         out[name] = text
     return out
-
-
-def plan_context(plan: Mapping[str, Any], plan_dir: str | Path | None = None) -> PlanContext:
-    """The model a plan names and the folders its paths may point into."""
-    m = plan.get("model") if isinstance(plan.get("model"), Mapping) else {}
-    path = m.get("path") if isinstance(m.get("path"), str) else None
-    model = path or (m.get("hf_id") if isinstance(m.get("hf_id"), str) else None)
-    roots = tuple(str(r) for r in (path, plan_dir) if r)
-    return PlanContext(model, roots)

@@ -87,11 +87,13 @@ _JOIN_SLACK_S = 2.0
 
 def pool_view(plan: Deployment | None, role: str | None) -> tuple[str | None, Deployment | None]:
     """The role this exporter labels its series with, and the plan with that role's pool first
-    (the planned figures are that pool's). A disaggregated plan without `role` is its first
-    (prefill) pool; an aggregated plan keeps today's series, with no `role` label."""
+    (the planned figures are that pool's). A pool's emitted folder (`plan --role R --emit DIR`)
+    is the pool it names; a disaggregated plan without either is its first (prefill) pool; an
+    aggregated plan keeps today's series, with no `role` label."""
     if plan is None:
         return role, None
     roles = [p.role for p in plan.pools]
+    role = role or plan.role
     if role is None:
         return (roles[0] if plan.kind == "disaggregated" else None), plan
     if role not in roles:
@@ -99,7 +101,7 @@ def pool_view(plan: Deployment | None, role: str | None) -> tuple[str | None, De
                          f"{', '.join(roles)}); pass one of those")
     i = roles.index(role)
     return role, dataclasses.replace(plan, pools=(plan.pools[i], *plan.pools[:i],
-                                                  *plan.pools[i + 1:]))
+                                                  *plan.pools[i + 1:]), role=role)
 
 
 def with_role(families: list[Metric], role: str | None) -> Iterator[Metric]:

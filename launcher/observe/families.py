@@ -192,8 +192,9 @@ def scaling_families(plan: Deployment | None, snap: VllmSnapshot | None) -> Iter
     capacity): the replicas this load needs at the plan's figures, for an HPA or KEDA to scale
     on directly; summed over the pool's exporters it is the pool's count. It exists only while
     vLLM answers (dropped, never frozen), and not at all for a plan without autoscaling. The
-    engines an exporter scrapes are its plan's first pool's (the one pool until disaggregated
-    serving runs a pool per process group).
+    engines an exporter scrapes are its plan's pool's (the one `pool_view` put first). A pool of
+    a disaggregated plan counts as its ScaledObject does: the largest ceil(metric / threshold)
+    over its role's triggers (predict/capacity/autoscaling.py desired_replicas).
     """
     a = plan.pool.autoscaling if plan is not None else None
     if a is None or a.target_running_per_replica <= 0:
@@ -219,9 +220,25 @@ def scaling_families(plan: Deployment | None, snap: VllmSnapshot | None) -> Iter
         "engine) / vlaunch_replica_capacity_requests): replicas the live load needs.",
         labels=["role"])
     if snap is not None and snap.ok:
-        load = sum((s.running or 0.0) + (s.waiting or 0.0) for s in snap.engines.values())
-        desired.add_metric([role], float(math.ceil(load / target - 1e-9)))
+        desired.add_metric([role], float(_desired(a, snap, target,
+                                                  plan.kind == "disaggregated")))
     yield desired
+
+
+def _desired(a: Any, snap: VllmSnapshot, target: float, pool: bool) -> int:
+    """An aggregated replica: ceil((running + waiting) / capacity). A pool of a disaggregated
+    plan: the ScaledObject's own arithmetic over its role's triggers
+    (predict/capacity/autoscaling.py desired_replicas), on this replica's engines."""
+    engines = list(snap.engines.values())
+    if not pool:
+        load = sum((s.running or 0.0) + (s.waiting or 0.0) for s in engines)
+        return math.ceil(load / target - 1e-9)
+    from ..predict.capacity.autoscaling import desired_replicas
+
+    usage = [s.usage_ratio for s in engines if s.usage_ratio is not None]
+    return desired_replicas(a, {"running": sum(s.running or 0.0 for s in engines),
+                                "waiting": sum(s.waiting or 0.0 for s in engines),
+                                "kv_usage": sum(usage) / len(usage) if usage else 0.0})
 
 
 def gpu_families(gpus: list[GpuRecord]) -> Iterator[Metric]:

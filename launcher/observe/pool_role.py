@@ -5,7 +5,8 @@ connector and kv_role: inputs/vllm_failures.py reads its repr). kv_producer is a
 engine and kv_consumer a decode one; vlaunch runs both pools kv_both (the role a request
 plays comes from its kv_transfer_params:
 predict/features/connectors.py), so then the role comes from
-the plan given with --plan (the pool whose engine has the log's layout and batch limits), or
+the plan given with --plan (the pool an emitted pool's folder names, `plan --role R --emit`,
+else the pool whose engine has the log's layout and batch limits), or
 from the log's file name (`vlaunch serve --disaggregate on` writes vllm-prefill.log and
 vllm-decode.log). The doctor says it beside the root cause, so a reader knows which pool to fix.
 """
@@ -44,6 +45,8 @@ def pool_of(facts: Facts, plan: Deployment | None = None,
         return None
     connector, kv_role = str(kv["kv_connector"]), str(kv.get("kv_role") or "")
     role, how = BY_KV_ROLE.get(kv_role), "its kv_role"
+    if role is None and plan is not None and plan.role is not None:
+        role, how = plan.role, "the plan's role (the pool its folder runs)"
     if role is None and plan is not None and plan.kind == "disaggregated":
         found = {p.role for p in plan.pools if _matches(p, facts)}
         if len(found) == 1:

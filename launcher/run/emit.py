@@ -10,6 +10,11 @@ thing they share is a volume. So the plan goes there as three files:
 - `scaledobject.yaml`: a KEDA ScaledObject per pool, from the plan's `autoscaling` (when the
   plan has a knee to derive it from).
 
+A disaggregated plan is emitted one pool per folder (`vlaunch plan ... --role prefill|decode
+--emit DIR`, `pool_plan`): plan.json holds the whole deployment, so every pod of either pool
+plans and agrees on the same one, plus `role`, the pool this folder runs; the other files are
+that pool's (its argv with its `--kv-transfer-config`, its environment, its ScaledObject).
+
 Every file is written atomically (temp file in the same folder, then `os.replace`), and
 `plan.json` is written last, so a reader that finds `plan.json` finds the other two complete
 and never sees half a file, even if the planner is killed mid-write.
@@ -17,6 +22,7 @@ and never sees half a file, even if the planner is killed mid-write.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -25,11 +31,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..deployment.argv import engine_argv
+from ..deployment.argv import pool_argv
 from ..deployment.codec import dump, load
-from ..deployment.plan import Autoscaling, Deployment
+from ..deployment.plan import Autoscaling, Deployment, Pool
 from ..errors import InputError
 from ..paths import atomic_write, loads_json, read_small_text, warn_if_foreign, warn_if_open_folder
+from ..predict.capacity.autoscaling import trigger_thresholds
 from ..predict.capacity.startup_time import NETWORK_VOLUME_BYTES_PER_S
 
 PLAN_FILE = "plan.json"
@@ -65,20 +72,61 @@ def _env_text(env: Mapping[str, str]) -> str:
     return "".join(lines)
 
 
+ROLES = ("prefill", "decode")
+
+
+SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+
+
+def pool_plan(dep: Deployment, role: str) -> Deployment:
+    """The plan as the folder of its `role` pool holds it: the whole deployment, with `role`
+    naming the pool it runs (its `pool`, `engine` and top-level JSON keys are then that pool's).
+    One line when the plan has no such pool: an aggregated plan has no roles to run.
+
+    A pool's folder runs apart from the other pool (its own pod or machine), so no pool keeps a
+    loopback side-channel host (a one-node split's, right only when `vlaunch serve` runs both
+    engines on one host): each engine advertises its own address, set where it runs
+    (`exec_plan.check_pool_plan` asks for it)."""
+    if role not in ROLES:
+        raise InputError(f"--role {role}: a pool of a disaggregated plan is one of "
+                         f"{', '.join(ROLES)}")
+    if dep.kind != "disaggregated":
+        why = ("it does not fit" if not dep.fits else
+               "disaggregation does not win here (see its reasons)")
+        raise InputError(f"--role {role}: the plan is aggregated ({why}), so it has no {role} "
+                         "pool; pass --disaggregate on to split it, or drop --role to run the "
+                         "one aggregated engine")
+    if role not in {p.role for p in dep.pools}:
+        raise InputError(f"--role {role}: the plan has no {role} pool (it has "
+                         f"{', '.join(p.role for p in dep.pools)})")
+    apart = tuple(dataclasses.replace(p, env={k: v for k, v in p.env.items()
+                                              if k != SIDE_CHANNEL_HOST}) for p in dep.pools)
+    return dataclasses.replace(dep, role=role, pools=apart)
+
+
+def emitted_pools(dep: Deployment) -> tuple[Pool, ...]:
+    """The pools a folder of this plan runs: the one its `role` names, else every pool."""
+    return (dep.pool,) if dep.role is not None else dep.pools
+
+
 def emit_plan(dep: Deployment, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write the plan's three files into `out_dir`; return their paths (plan.json last).
+    """Write the plan's files into `out_dir`; return their paths (plan.json last).
 
     Everything is rendered before anything is written, so a plan that cannot be expressed
-    (a bad env name, an argument with a line break) leaves the folder untouched.
+    (a bad env name, an argument with a line break) leaves the folder untouched. A
+    disaggregated plan is written one pool at a time (`pool_plan`): one engine per folder.
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"--emit {out}: not a folder; give a folder for the plan files")
+    if dep.kind == "disaggregated" and dep.role is None:
+        raise InputError("--emit writes one pool's files (one pod's engine); pass --role "
+                         "prefill or --role decode to emit that pool of the disaggregated plan")
     rendered = [
-        (ARGS_FILE, _args_text(engine_argv(dep.engine) if dep.fits else [])),
+        (ARGS_FILE, _args_text(pool_argv(dep.pool) if dep.fits else [])),
         (ENV_FILE, _env_text(dep.pool.env)),
         *([(SCALEDOBJECT_FILE, scaled_objects_text(dep))]
-          if any(p.autoscaling for p in dep.pools) else []),
+          if any(p.autoscaling for p in emitted_pools(dep)) else []),
         (PLAN_FILE, json.dumps(dump(dep), indent=2, sort_keys=True) + "\n"),
     ]
     out.mkdir(parents=True, exist_ok=True)
@@ -203,8 +251,9 @@ def scaled_object(a: Autoscaling | None, name: str = "vlaunch", kind: str = "Dep
     if namespace:
         selector = f'namespace="{namespace}", {selector}'
     queries = trigger_queries(selector)
-    thresholds = {"running": a.target_running_per_replica,
-                  "waiting": a.target_waiting_per_replica, "kv_usage": a.kv_usage_threshold}
+    # the pool role's triggers (a prefill pool on its queue, a decode pool on its batch and
+    # KV): the same thresholds the exporter's vlaunch_desired_replicas divides by
+    thresholds = trigger_thresholds(a)
     meta: dict[str, Any] = {"name": name,
                             "labels": {"app.kubernetes.io/name": "vlaunch",
                                        "app.kubernetes.io/component": a.role}}
@@ -222,17 +271,19 @@ def scaled_object(a: Autoscaling | None, name: str = "vlaunch", kind: str = "Dep
                           "metricType": "AverageValue",
                           "metadata": {"serverAddress": prometheus_url, "query": q,
                                        "threshold": f"{thresholds[key]:g}"}}
-                         for key, q in queries.items()],
+                         for key, q in queries.items() if key in thresholds],
         },
     }
 
 
 def scaled_objects_text(dep: Deployment, **kw: Any) -> str:
-    """The ScaledObject of each pool of the plan that has autoscaling, as YAML documents."""
+    """The ScaledObject of each pool of the plan (of a pool's folder: its pool) that has
+    autoscaling, as YAML documents."""
     import yaml
 
     header = ("# GENERATED by vlaunch from the plan's autoscaling (launcher/run/emit.py): the\n"
               "# thresholds are the replica's capacity at the SLO knee, the windows its\n"
               "# start-up.\n")
-    return header + yaml.safe_dump_all([scaled_object(p.autoscaling, **kw) for p in dep.pools
-                                        if p.autoscaling], sort_keys=False, width=100)
+    return header + yaml.safe_dump_all([scaled_object(p.autoscaling, **kw)
+                                        for p in emitted_pools(dep) if p.autoscaling],
+                                       sort_keys=False, width=100)

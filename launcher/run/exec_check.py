@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..deployment.argv import engine_argv
+from ..deployment.argv import pool_argv
 from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs import vllm_flags as F
@@ -35,9 +35,9 @@ def check_exec_plan(dep: Deployment, plan_dir: str | None = None) -> None:
     fix = "re-emit it with `vlaunch plan MODEL --emit DIR`"
     m = dep.model
     ctx = F.PlanContext(m.path or m.hf_id, tuple(str(r) for r in (m.path, plan_dir) if r))
-    if dep.fits:
-        F.check_plan_args(engine_argv(dep.engine), ctx)
-    for pool in dep.pools:  # exec runs the plan's environment as it is (no re-plan)
+    for pool in dep.pools:  # exec runs the plan's argv and environment as they are
+        if dep.fits:  # a P/D pool's --kv-transfer-config included
+            F.check_plan_args(pool_argv(pool), ctx)
         F.check_plan_env(pool.env)
     if m.commit is not None and (why := F.check_value("revision", m.commit, ctx)):
         raise InputError(f"the plan's `model.commit` is {m.commit[:64]!r}, which {why}; {fix}")

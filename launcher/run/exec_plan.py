@@ -7,17 +7,57 @@ when the cards were free can meet a co-tenant at start-up. vLLM would then refus
 With --replan, exec plans again for the GPUs as they are now (`live_hardware`), for the goals
 the plan was made for (`goals_from_plan`), keeping the user's pins labelled as theirs
 (`relabel_pins`).
+
+A disaggregated plan's folder runs one pool (`plan --role R --emit DIR`: the plan's `role`);
+`check_pool_plan` refuses a whole disaggregated plan, and a pool whose peers could not reach
+its KV side channel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..deployment.plan import Deployment
 from ..errors import InputError
 from ..inputs.hardware import GiB, Hardware
+
+SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+def check_pool_plan(dep: Deployment, replan: bool = False,
+                    environ: Mapping[str, str] | None = None) -> None:
+    """One line (exit 2) when exec cannot run this plan as one pool's engine.
+
+    - a disaggregated plan without `role` holds two pools and exec runs one engine;
+    - a pool is not re-planned alone: its layout, batch and side of the KV hand-off were chosen
+      with the other pool's (rate matching), so --replan of one pool would break the pairing;
+    - a pool whose connector has a side channel (NIXL) must advertise its own address: a
+      pool's folder leaves VLLM_NIXL_SIDE_CHANNEL_HOST to where it runs (a pod's IP, which
+      every pod of the pool differs in; run/emit.py pool_plan), and vLLM's default, localhost,
+      cannot be reached from the other pool's pods.
+    """
+    if dep.kind != "disaggregated":
+        return
+    if dep.role is None:
+        raise InputError("this plan is disaggregated (a prefill and a decode pool): exec runs "
+                         "one engine; emit each pool with `vlaunch plan MODEL --disaggregate on "
+                         "--role prefill|decode --emit DIR`, or on one machine `vlaunch serve "
+                         "MODEL --disaggregate on`")
+    if replan:
+        raise InputError(f"--replan: the {dep.role} pool was sized with the other pool (rate "
+                         "matching), so it is not re-planned alone; re-emit both pools with "
+                         "`vlaunch plan ... --role prefill|decode --emit DIR`")
+    env = os.environ if environ is None else environ
+    pool = dep.pool
+    if (SIDE_CHANNEL_PORT in pool.env and SIDE_CHANNEL_HOST not in pool.env
+            and not env.get(SIDE_CHANNEL_HOST)):
+        raise InputError(f"the {dep.role} pool's KV side channel needs this engine's own "
+                         f"address: set {SIDE_CHANNEL_HOST} to it (in Kubernetes, the pod IP "
+                         "from the downward API, fieldRef status.podIP)")
 
 
 def live_misfit(dep: Deployment) -> str | None:

@@ -25,6 +25,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..deployment.argv import pool_argv
+from ..deployment.plan import Deployment, Parallel, Pool
 from ..errors import InputError
 from ..inputs import vllm_flags as F
 from .vllmargs import in_serve_form
@@ -96,31 +98,18 @@ def _env_int(environ: Mapping[str, str], name: str) -> int | None:
         raise InputError(f"{name}={raw!r} is not a whole number") from None
 
 
-def _int_field(parallel: Mapping, key: str, default: int = 1) -> int:
-    value = parallel.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"plan parallel.{key}={value!r}; expected a whole number >= 1")
-    return value
+def _check_layout(p: Parallel, nodes: int) -> None:
+    """The engine's layout in whole numbers of at least one (the codec checks a loaded plan;
+    a Deployment made in code passes here too)."""
+    for key, value in (("tp", p.tp), ("pp", p.pp), ("dp", p.dp), ("nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"plan parallel.{key}={value!r}; expected a whole number >= 1")
 
 
-def _check_plan_args(args: list[str], tp: int, pp: int, dp: int, ep: bool) -> None:
-    """The plan's `parallel` and its `vllm_args` must say the same thing, or one of them lies."""
+def _check_plan_args(args: list[str]) -> None:
+    """The per-node flags are added here at launch, never planned: an engine whose argv already
+    held one would be ambiguous on every node."""
     parsed = F.parse(args)
-    for key, dest, want in (("tp", "tensor_parallel_size", tp),
-                            ("pp", "pipeline_parallel_size", pp),
-                            ("dp", "data_parallel_size", dp)):
-        got = parsed.values.get(dest, 1)
-        if str(got) != str(want):
-            raise InputError(
-                f"plan says parallel.{key}={want} but its vllm_args give {F.flag(dest)} {got}; "
-                "re-run `vlaunch plan`"
-            )
-    has_ep = parsed.values.get("enable_expert_parallel") is True
-    if has_ep != ep:
-        raise InputError(
-            f"plan says parallel.expert_parallel={ep} but {F.flag('enable_expert_parallel')} is "
-            f"{'present' if has_ep else 'absent'} in vllm_args; re-run `vlaunch plan`"
-        )
     for dest in _NODE_DESTS:
         if dest in parsed.values:
             raise InputError(
@@ -165,11 +154,18 @@ def _resolve_node(
     return actual, rank, address
 
 
+def plan_context(dep: Deployment, plan_dir: str | None = None) -> F.PlanContext:
+    """The model the plan names and the folders a path it carries may point into."""
+    m = dep.model
+    return F.PlanContext(m.path or m.hf_id, tuple(str(r) for r in (m.path, plan_dir) if r))
+
+
 def build_launch(
-    plan: Mapping,
+    dep: Deployment,
     environ: Mapping[str, str] | None = None,
     role: str | None = None,
     *,
+    pool: Pool | None = None,
     program: Sequence[str] = VLLM_PROGRAM,
     leader_address: str | None = None,
     master_port: int | None = None,
@@ -177,32 +173,35 @@ def build_launch(
     ray_port: int = RAY_PORT,
     plan_dir: str | None = None,
 ) -> NodeLaunch:
-    """The command, environment and pre-commands for this node of `plan`.
+    """The command, environment and pre-commands for this node of one replica of `pool` (the
+    deployment's first pool unless given: the aggregated one, or the decode pool of a
+    disaggregated plan when the caller runs that one).
 
-    `environ` defaults to the process environment; `program` is how vLLM's `serve` is
-    invoked in the image (`vllm serve` in the official one). `leader_address` overrides
-    LWS_LEADER_ADDRESS (tests on loopback). `plan_dir`: the plan's folder, where a file the
-    plan names (a chat template) may live, beside the model's own folder.
+    The typed plan is the input (launcher/deployment/plan.py): the argv is the pool's own
+    (`deployment.argv.pool_argv`), the layout its engine's, the node count its replica's, the
+    GPUs per node and the vLLM release the deployment's. `environ` defaults to the process
+    environment; `program` is how vLLM's `serve` is invoked in the image (`vllm serve` in the
+    official one). `leader_address` overrides LWS_LEADER_ADDRESS (tests on loopback).
+    `plan_dir`: the plan's folder, where a file the plan names (a chat template) may live,
+    beside the model's own folder.
     """
     environ = os.environ if environ is None else environ
-    args = plan.get("vllm_args")
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise InputError("plan has no `vllm_args` list of strings; emit a plan from `vlaunch plan`")
-    args = list(args)
-    parallel = plan.get("parallel") or {}
-    tp, pp, dp = (_int_field(parallel, k) for k in ("tp", "pp", "dp"))
-    ep = bool(parallel.get("expert_parallel", False))
-    nnodes = _int_field(parallel, "nodes", (plan.get("gpus") or {}).get("nodes", 1))
-    backend = (plan.get("distributed_executor_backend")
-               or parallel.get("distributed_executor_backend") or "mp")
+    pool = dep.pool if pool is None else pool
+    if not dep.fits:
+        raise InputError("the plan does not fit its GPUs, so it has no command to run; "
+                         "re-run `vlaunch plan` for more or larger GPUs")
+    e = pool.engine
+    p = e.parallel
+    nnodes = p.nodes  # the nodes one replica spans
+    _check_layout(p, nnodes)
+    tp, pp, dp = p.tp, p.pp, p.dp
+    backend = e.distributed_executor_backend or "mp"
     if backend not in BACKENDS:
         raise InputError(f"distributed_executor_backend={backend!r}; expected mp or ray")
-    _check_plan_args(args, tp, pp, dp, ep)
-    check_plan_flags(args, F.plan_context(plan, plan_dir))
-    raw_env = plan.get("env") or {}
-    if not isinstance(raw_env, Mapping):
-        raise InputError("plan `env` is not an object; emit a plan from `vlaunch plan`")
-    env = check_plan_env(raw_env, environ)
+    args = pool_argv(pool)
+    _check_plan_args(args)
+    check_plan_flags(args, plan_context(dep, plan_dir))
+    env = check_plan_env(pool.env, environ)
     serve = in_serve_form(program, args)  # `vllm serve MODEL`: the model positional
     backend_flag = F.argv({"distributed_executor_backend": "ray" if backend == "ray" else None})
 
@@ -217,7 +216,7 @@ def build_launch(
     if environ.get("POD_IP"):
         # vLLM advertises get_ip() to its peers; in a pod that must be the pod IP.
         env.setdefault("VLLM_HOST_IP", environ["POD_IP"])
-    gpus_per_node = (plan.get("gpus") or {}).get("gpus_per_node")
+    gpus_per_node = dep.hardware.gpus_per_node
 
     if backend == "ray":
         if dp > 1:
@@ -254,7 +253,7 @@ def build_launch(
                         "data_parallel_start_rank": rank * local if node_role == WORKER
                         else None})
     flags += F.argv({"headless": node_role == WORKER})
-    _check_release(flags, plan.get("vllm_version"))
+    _check_release(flags, dep.vllm_version)
     return NodeLaunch(node_role, rank, nnodes, serve + flags, env, serves_api=node_role == LEADER)
 
 

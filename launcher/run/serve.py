@@ -32,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..deployment.argv import engine_argv
+from ..deployment.argv import pool_argv
 from ..deployment.codec import dump
 from ..deployment.plan import Deployment
 from ..errors import InputError
@@ -358,7 +358,9 @@ class _ServeLoop:
 
     def _args(self, dep: Deployment) -> list[str]:
         """The plan's vLLM arguments with the user's on top, our port, and a drain on stop."""
-        args, notes = merge_args(serve_both_names(engine_argv(dep.engine)), self.extra)
+        # the pool's argv: a disaggregated plan's pool (exec of its folder) adds its side of
+        # the KV hand-off (--kv-transfer-config); an aggregated pool's is its engine's
+        args, notes = merge_args(serve_both_names(pool_argv(dep.pool)), self.extra)
         if F.flag("port") not in args:
             args += [F.flag("port"), str(self.api_port)]
         args = with_host(args, self.host)  # loopback unless the user chose a host

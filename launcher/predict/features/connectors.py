@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InputError
+from ...inputs import vllm_flags
 from ...paths import profiles_dir, read_yaml
 from .capabilities import parse_version
 
 ROLES = ("prefill", "decode")
 NIXL_SIDE_CHANNEL_PORT = 5600
-"""vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT (vllm/envs.py); each DP rank on a node takes
-base + its local rank (nixl_connector_usage.md)."""
+"""vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT (vllm/envs.py); each DP engine listens on base + its
+DP rank (`side_channel_ports`; nixl_connector_usage.md says the local rank, 0.32's code the global
+one)."""
 RDMA_UCX_TLS = "rc,cuda_copy,cuda_ipc"
 """UCX transports for GPU memory over InfiniBand/RoCE between nodes: reliable connection plus
 CUDA copy and IPC (llm-d's wide-EP manifests and nixl_connector_usage.md set UCX_TLS so)."""
@@ -95,8 +97,8 @@ class Transfer:
         return out
 
     def argv(self, version: str) -> list[str]:
-        return ["--kv-transfer-config", json.dumps(self.config(version), sort_keys=True,
-                                                   separators=(",", ":"))]
+        return vllm_flags.argv([("kv_transfer_config", json.dumps(
+            self.config(version), sort_keys=True, separators=(",", ":")))])
 
     def env(self) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -108,6 +110,16 @@ class Transfer:
             env["UCX_TLS"] = RDMA_UCX_TLS
             env["UCX_NET_DEVICES"] = self.rdma_devices
         return env
+
+
+def side_channel_ports(pool: Any) -> tuple[int, int]:
+    """The first and last NIXL side-channel port the engines of one replica of `pool` listen on:
+    its VLLM_NIXL_SIDE_CHANNEL_PORT plus each engine's DP rank. The rank is the global one, also
+    on a replica over several nodes: vLLM 0.32's nixl/base_scheduler.py sets side_channel_port =
+    VLLM_NIXL_SIDE_CHANNEL_PORT + parallel_config.data_parallel_index, and config/parallel.py
+    sets data_parallel_index = data_parallel_rank."""
+    base = int(pool.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    return base, base + max(1, pool.engine.parallel.dp) - 1
 
 
 def pool_transfers(connector: str, *, cpu: bool, store: str | None = None,

@@ -15,12 +15,12 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ...deployment.plan import EPBackend, Reason, Serving, Speculative
+from ...deployment.plan import EPLB, EPBackend, Reason, Serving, Speculative
 from ...errors import InputError
 from ...inputs.hardware import GiB
 from ..search import rank, search
 from ..speed import request_model as perf
-from . import ep_backend, serving_flags, speculative
+from . import ep_backend, eplb, serving_flags, speculative
 
 
 @dataclass
@@ -69,9 +69,20 @@ def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoice
         ep = _chosen_ep(best)
         if ep.reason is not None:
             plan.reasons.append(ep.reason)
+    lb = dataclasses.replace(best.eplb) if best.fits else eplb.Decision()
+    if (r := lb.reason()) is not None:
+        plan.reasons.append(r)
     spec = decision(plan, goal, res, best, mtp)
     plan.reasons.append(spec.reason)
-    return Serving(speculative=spec, parsers=flags.parsers, ep_backend=ep)
+    return Serving(speculative=spec, parsers=flags.parsers, ep_backend=ep,
+                   eplb=_plan_eplb(lb, r))
+
+
+def _plan_eplb(d: eplb.Decision, reason: Reason | None) -> EPLB:
+    """EPLB's decision as the plan carries it (the same Reason the plan's reasons hold)."""
+    return EPLB(applies=d.applies, enabled=d.enabled, pinned=d.pinned, ep_size=d.ep_size,
+                num_redundant_experts=d.num_redundant_experts, slots_per_rank=d.slots_per_rank,
+                bytes_per_gpu=d.bytes_per_gpu, reason=reason)
 
 
 def _chosen_ep(best: Any) -> EPBackend:

@@ -41,6 +41,7 @@ def _engine(plan: Any) -> D.EngineConfig:
     c, m, s = plan.chosen, plan.model, plan.serving
     spec = par = ep = None
     enable_reasoning = False
+    eplb = s.eplb if s is not None and s.eplb is not None and s.eplb.enabled else None
     if s is not None:
         if s.speculative.enabled:
             spec = D.SpeculativeConfig(s.speculative.method,
@@ -66,7 +67,9 @@ def _engine(plan: Any) -> D.EngineConfig:
         enable_auto_tool_choice=bool(par and par.tool_call_parser
                                      and par.enable_auto_tool_choice),
         chat_template=par.chat_template if par else None,
-        tokenizer_mode=par.tokenizer_mode if par else None)
+        tokenizer_mode=par.tokenizer_mode if par else None,
+        enable_eplb=eplb is not None,
+        num_redundant_experts=eplb.num_redundant_experts if eplb is not None else None)
 
 
 def _kv(plan: Any) -> D.KVCache:

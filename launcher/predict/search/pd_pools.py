@@ -269,8 +269,41 @@ def _transfer(o: Option, role: str, version: str) -> tuple[D.KVTransfer, dict[st
                         handshake_s=sp.transfer.handshake_s), t.env()
 
 
+_DEPLOYMENT_CODES = frozenset({"workload", "vllm.version"})
+"""The aggregated search's reasons that hold for the whole split deployment (its inputs); the
+rest describe the aggregated runner-up, whose headline figure the choice's reason gives."""
+_POOL_CODES = {
+    "prefill": ("layout", "kv_cache_dtype", "gpu_memory_utilization", "max_model_len",
+                "max_num_batched_tokens", "all2all_backend", "eplb"),
+    "decode": ("layout", "kv_cache_dtype", "gpu_memory_utilization", "max_model_len", "parsers",
+               "all2all_backend", "eplb", "mtp"),
+}
+"""A pool replica's own decisions, by code family, where they matter to that pool: prefill's
+chunk size, decode's draft and parsers (max-num-seqs is re-cut for decode below)."""
+
+
+def pool_reasons(plans: dict[str, Any]) -> tuple[D.Reason, ...]:
+    """The reasons of each pool's replica plan that describe the pool, each marked with its
+    pools (data `pools`, and the sentence says which); one the two pools share is said once."""
+    said: dict[tuple[str, str], list[str]] = {}
+    found: dict[tuple[str, str], D.Reason] = {}
+    for role, plan in plans.items():
+        for r in plan.deployment().reasons:
+            if r.code.split(".")[0] in _POOL_CODES[role]:
+                key = (r.code, r.text)
+                said.setdefault(key, []).append(role)
+                found.setdefault(key, r)
+    out = []
+    for key, roles in said.items():
+        r = found[key]
+        who = "both pools" if len(roles) == 2 else f"{roles[0]} pool"
+        out.append(D.Reason(r.code, f"{who}: {r.text}", {**r.data, "pools": roles}))
+    return tuple(out)
+
+
 def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SLO,
-                             reasons: tuple[D.Reason, ...]) -> D.Deployment:
+                             reasons: tuple[D.Reason, ...], scaling: Any = None
+                             ) -> D.Deployment:
     """The winning split as the Deployment every command reads: the prefill pool first (the
     JSON's top-level keys mean it), then the decode pool, each with its side of the hand-off.
     Its reasons open with the choice; the aggregated search's own reasons follow (they say why
@@ -291,6 +324,7 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
                      round((p1.prompt_s + sp.transfer.seconds + d1.first_step_s) * 1e3, 2),
                      round(1e3 / single_tpot, 2) if single_tpot > 0 else 0.0, 0.0)
     pools = []
+    seqs_reason: D.Reason | None = None
     for role, plan, n in (("prefill", o.prefill, units * sp.prefill_replicas),
                           ("decode", o.decode, units * sp.decode_replicas)):
         pool = plan.deployment().pool
@@ -312,6 +346,13 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
         engine = pool.engine
         if role == "decode" and base.objective != "throughput":  # hold the TPOT SLO
             engine = dataclasses.replace(engine, max_num_seqs=max(1, math.floor(d1.running)))
+            seqs_reason = D.Reason(
+                "max_num_seqs.decode_slo",
+                f"decode pool: max-num-seqs {engine.max_num_seqs} per engine: the batch that "
+                f"decodes within the TPOT SLO ({slo.tpot_ms:g} ms; {d1.tpot_ms:.1f} ms "
+                "predicted), with no prefill in its steps",
+                {"pools": ["decode"], "max_num_seqs": engine.max_num_seqs,
+                 "tpot_ms": round(d1.tpot_ms, 3), "slo_tpot_ms": slo.tpot_ms})
         pools.append(dataclasses.replace(pool, role=role, replicas=n, env={**pool.env, **env},
                                          engine=engine, performance=perf, transfer=xfer))
     notes = (f"rate-matched {sp.prefill_replicas}P{sp.decode_replicas}D"
@@ -321,6 +362,8 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
         (f"{o.connector}'s handshake, ~{sp.transfer.handshake_s:.0f} s per prefill-decode "
          "pair on the first request, is not in TTFT",) if sp.transfer.handshake_s else ())
     perf = _perf(_point(o, w, units), single, f"rate_matched:{sp.bound}", notes)
+    pools = [dataclasses.replace(p, autoscaling=_pool_autoscaling(p, p1, d1, sp, w, slo, perf,
+                                                                  scaling)) for p in pools]
     warnings = base.warnings
     if sp.transfer.path == "rdma" and any("VLLM_NIXL_SIDE_CHANNEL_PORT" in p.env for p in pools):
         warnings += (D.Reason(
@@ -329,8 +372,40 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
             "address (its pod IP), which decode engines dial for the NIXL handshake",
             {"env": "VLLM_NIXL_SIDE_CHANNEL_HOST"}),)
     return dataclasses.replace(base, kind="disaggregated", pools=tuple(pools), performance=perf,
-                               reasons=reasons + base.reasons, warnings=warnings,
+                               reasons=(reasons + tuple(r for r in base.reasons
+                                                        if r.code in _DEPLOYMENT_CODES)
+                                        + pool_reasons({"prefill": o.prefill, "decode": o.decode})
+                                        + ((seqs_reason,) if seqs_reason
+                                                          else ())),
+                               warnings=warnings,
                                runners_up=())
+
+
+def _pool_autoscaling(pool: D.Pool, p1: Any, d1: Any, sp: Any, w: Workload, slo: SLO,
+                      perf: D.Performance, ask: Any) -> D.Autoscaling | None:
+    """A pool's own autoscaling (predict/capacity/autoscaling.py prefill_scaling,
+    decode_scaling), from the rate-matched figures this deployment was chosen on and the pool's
+    start-up; None for a pool without a start-up (a plan that does not fit)."""
+    from ..capacity import autoscaling as scale
+
+    if pool.startup is None:
+        return None
+    at = perf.at
+    in_system_s = (at.ttft_ms + max(w.output_len - 1, 0) * at.tpot_ms) / 1e3
+    dp = pool.engine.parallel.dp
+    common = {"replicas": pool.replicas, "dp": dp, "ttft_slo_ms": slo.ttft_ms,
+              "time_in_system_s": in_system_s, "kv_tokens_per_engine": pool.kv_cache.tokens,
+              "block_size": pool.kv_cache.block_size, "input_len": w.input_len,
+              "startup": pool.startup, "ask": ask}
+    if pool.role == "prefill":
+        a = scale.prefill_scaling(requests_per_s=p1.requests_per_s, prompt_s=p1.prompt_s,
+                                  fixed_s=p1.prompt_s + sp.transfer.seconds + d1.first_step_s,
+                                  derate=disagg.PREFILL_DERATE, **common)
+    else:
+        a = scale.decode_scaling(requests_per_s=d1.requests_per_s, running_per_engine=d1.running,
+                                 derate=disagg.DECODE_DERATE, ttft_ms=at.ttft_ms,
+                                 output_len=w.output_len, **common)
+    return a  # the plan's own type (deployment.plan.Autoscaling)
 
 
 @dataclass(frozen=True)
@@ -374,10 +449,11 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
 
     def plan_for(h: Hardware, role: str) -> Any:
         pinned = dataclasses.replace(pins, tp=tps[role]) if tps[role] else pins
-        plan = make_plan(spec, h, pinned, suggest=False, **goals)
+        # the pool's start-up reads its weights where the aggregated plan's would (--weights-from)
+        plan = make_plan(spec, h, pinned, suggest=False, load_path=load_path, **goals)
         if want := role_all2all(plan, role, pins):
             plan = make_plan(spec, h, dataclasses.replace(pinned, all2all_backend=want),
-                             suggest=False, **goals)
+                             suggest=False, load_path=load_path, **goals)
         return plan
 
     splits: list[Option] = []
@@ -395,7 +471,7 @@ def plan_deployment(spec: ModelSpec, hw: Hardware, pins: Any, *, mode: str = "au
     choice = choose(aggregated_option(agg), splits, mode, obj, w)
     base = agg.deployment()
     if choice.winner is not None and choice.winner.kind == "disaggregated":
-        dep = disaggregated_deployment(choice.winner, base, w, s, choice.reasons)
+        dep = disaggregated_deployment(choice.winner, base, w, s, choice.reasons, scaling)
     else:
         dep = dataclasses.replace(base, reasons=base.reasons + choice.reasons)
     return Planned(dep, agg, choice)

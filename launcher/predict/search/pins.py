@@ -38,6 +38,7 @@ class Pins:
     tool_call_parser: str | None = None
     chat_template: str | None = None
     all2all_backend: str | None = None
+    eplb: bool | None = None  # --eplb/--no-eplb (predict/features/eplb.py); None: the planner's
 
     def validate(self) -> None:
         for name in ("tp", "pp", "dp", "max_num_seqs", "max_num_batched_tokens"):

@@ -39,6 +39,8 @@ def serving_pins(s: Serving | None) -> dict[str, Any]:
     ep = s.ep_backend
     if ep.applies and ep.backend and ep.backend != ep.vllm_default:
         out["all2all_backend"] = ep.backend
+    if s.eplb is not None and s.eplb.applies:  # re-planned as decided, on or off
+        out["eplb"] = s.eplb.enabled
     return out
 
 

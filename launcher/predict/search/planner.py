@@ -23,7 +23,7 @@ from ...inputs.hardware import GiB, Hardware, MiB
 from ...inputs.model import ModelSpec
 from ...inputs.workload import SLO, Workload, check_objective, fit_to_context, resolve_workload
 from ..capacity import plan_scaling as scaleplan
-from ..features import ep_backend, serving
+from ..features import ep_backend, eplb, serving
 from ..features.capabilities import (
     VersionTraits,
     batch_defaults,
@@ -253,6 +253,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, pins: Pins | None = None,
         raise InputError(f"--concurrency must be a positive integer, got {concurrency}")
     version = pins.vllm_version or default_vllm_version()
     traits = version_traits(version)
+    eplb.check_pin(spec, hw, version, pins.eplb)  # a pin no layout could honour: exit 2
     reasons: list[Reason] = []
     warnings: list[Reason] = [Reason("hardware.note", n) for n in hw.notes]
     _version_notes(spec, pins, traits, reasons, warnings)

@@ -23,7 +23,7 @@ from ...deployment.plan import EPBackend
 from ...inputs.hardware import Hardware
 from ...inputs.model import ModelSpec
 from ...inputs.workload import SLO, Workload
-from ..features import ep_backend, speculative
+from ..features import ep_backend, eplb, speculative
 from ..features.capabilities import VersionTraits, batch_defaults
 from ..memory import budget as B
 from ..memory.candidate_memory import Candidate, evaluate, layouts
@@ -98,6 +98,7 @@ class Judged:
     perf: Any = None  # perfplan.Assessment
     ep: EPBackend = ep_backend.NOT_APPLICABLE
     ep_note: str = ""  # why the backend's buffers were not taken, when they were not
+    eplb: eplb.Decision = field(default_factory=eplb.Decision)
     mtp: speculative.Cost | None = None
     value: tuple = ()
     capped_from: int | None = None  # max-num-seqs before the cap at the SLO knee
@@ -118,8 +119,9 @@ class Result:
 
 
 def memory(goal: Goal, k: Knobs) -> Judged:
-    """The budget model at exactly `k`'s flags: the candidate, then the EP backend's buffers
-    and the MTP draft's weights, buffers, graphs and KV layer, each taken from the KV cache."""
+    """The budget model at exactly `k`'s flags: the candidate, then the EP backend's buffers,
+    the MTP draft's weights, buffers, graphs and KV layer, and EPLB's redundant experts, each
+    taken from the KV cache."""
     goal.counts[0] += 1
     pins = dataclasses.replace(goal.pins, max_model_len=k.max_model_len,
                                max_num_batched_tokens=k.max_num_batched_tokens,
@@ -147,10 +149,32 @@ def memory(goal: Goal, k: Knobs) -> Judged:
             j.ep_note = new.problem
     if k.draft:
         cost = speculative.cost(goal.spec, c, k.draft)
-        j.cand = speculative.with_draft(goal.spec, c, cost, goal.kv_pinned,
-                                        goal.pins.kv_cache_memory_bytes)
+        c = j.cand = speculative.with_draft(goal.spec, c, cost, goal.kv_pinned,
+                                            goal.pins.kv_cache_memory_bytes)
         j.mtp = cost
+        if not c.fits:
+            return j
+    # last, so its before/after KV figures are the plan's own (the draft's memory already out)
+    j.eplb, after = _eplb(goal, k, c, ep)
+    if j.eplb.blocked:
+        c.fits, c.problem = False, f"--eplb pinned, but {j.eplb.text[len('EPLB off: '):]}"
+    elif j.eplb.enabled:  # the redundant experts' weights come off the KV cache
+        j.cand = after
     return j
+
+
+def _eplb(goal: Goal, k: Knobs, c: Candidate, ep: EPBackend
+          ) -> tuple[eplb.Decision, Candidate]:
+    """EPLB for `k`'s layout (features/eplb.py): proposed, then settled against the candidate
+    with the redundant experts' bytes taken from its KV cache (one stage: EPLB needs PP 1).
+    Returns the decision and the candidate it leaves (`c` itself when EPLB is off)."""
+    d = eplb.propose(goal.spec, goal.hw, k.layout, goal.traits.version, goal.pins.eplb,
+                     ep.backend if ep.applies else None)
+    if not d.enabled:
+        return d, c
+    after = rebudget(goal.spec, c, goal.kv_pinned, extra_weights_last=d.bytes_per_gpu,
+                     pinned_bytes=goal.pins.kv_cache_memory_bytes)
+    return eplb.settle(d, c, after, goal.workload), after
 
 
 def speed(goal: Goal, j: Judged, full: bool = True) -> Judged:

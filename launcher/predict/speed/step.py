@@ -40,11 +40,11 @@ class Constants:
     """Efficiencies (shares of a peak) and fixed costs (microseconds). The values are the fit of
     `bench/perf_fit.py` inside the BOUNDS there, rounded; each field says its physical range."""
 
-    hbm_eff: float = 0.89
+    hbm_eff: float = 0.872
     """Share of peak HBM bandwidth weight and KV reads reach. Range 0.6-0.92: aiconfigurator's
     vLLM GEMM tables give 0.76-0.86 for bf16 weights, FlashMLA decode ~0.9 of H800's HBM
     (ai-dynamo/aiconfigurator; deepseek-ai/FlashMLA README)."""
-    compute_eff: float = 0.4
+    compute_eff: float = 0.452
     """Share of dense tensor peak a decode step's GEMMs and attention reach. Range 0.4-0.70:
     aiconfigurator measures 0.5-0.59 for fp8 and ~0.8 for bf16 GEMMs at large M; decode M is
     small, so <= 0.70 (the issue's bound)."""
@@ -85,14 +85,14 @@ class Constants:
     """Latency of one NCCL collective inside a node where vLLM's custom all-reduce does not
     apply (EP all-gather / reduce-scatter, DP synchronisation, PCIe). Range 8-30 us: nccl-tests
     on 8xH100 ~16 us at 8 KB."""
-    network_us: float = 4.9
+    network_us: float = 5.08
     """Latency of one step of a collective (or one pipeline hop) that crosses nodes over
     InfiniBand / RoCE: a small message through NCCL's network proxy. A ring all-reduce over n
     ranks takes 2 (n - 1) such steps and an all-gather n - 1, each as slow as its slowest link,
     so TP16 over two nodes pays ~30 of them per all-reduce. Range 2-20 us: ~1-2 us of verbs
     latency, plus NCCL's LL-protocol flag polling and the proxy thread (nccl-tests multi-node
     all-reduce at 8 KB on 16 H100s: tens of microseconds to ~150 us, i.e. 2-5 us per step)."""
-    step_us: float = 623.0
+    step_us: float = 281.0
     """Per engine step: scheduler, sampler, input preparation, output processing (V1 engine).
     Range 100-3,000 us: V1 overlaps scheduling with the GPU but a step still costs ~0.5 ms of
     host work (vLLM V1 alpha blog, 2025-01-27)."""
@@ -487,14 +487,22 @@ def stage_step(s: EngineShape, decodes: float, ctx: float, chunk: float = 0.0,
     return Step(parts[0], parts[1], _collectives_s(s, m) + _floors_s(s), bytes_read, flops)
 
 
+MOE_TILES = (16.0, 32.0, 64.0, 128.0)
+"""Row tiles (BLOCK_SIZE_M) vLLM's fused-MoE kernel runs with."""
+
+
 def moe_tile_rows(s: EngineShape, tokens: float) -> float:
-    """Rows of one fused-MoE GEMM tile for `tokens` tokens (vLLM's fused_moe.py
-    get_default_config): block-fp8 weights use 16 rows up to 64 tokens and 64 beyond; other
-    dtypes 16 / 32 / 64 / 128 up to 32 / 96 / 512 tokens and beyond. moe_align_block_size pads
-    every expert's tokens to whole tiles, and a tile does all its rows' math."""
-    if s.fp8_gemm:
-        return 16.0 if tokens <= 64 else 64.0
-    return 16.0 if tokens <= 32 else 32.0 if tokens <= 96 else 64.0 if tokens <= 512 else 128.0
+    """Rows of one fused-MoE GEMM tile for `tokens` tokens entering the group: the smallest
+    tile that holds the mean tokens per expert (tokens x top-k / experts). vLLM's tuned
+    configs (model_executor/layers/fused_moe/configs/E=...,device_name=....json, from
+    benchmarks/kernels/benchmark_moe.py) pick that tile: E=256 on H200, block fp8 (DeepSeek
+    at TP8), keeps 16 rows up to 512 tokens (16 per expert) and 64 from 1,024; E=64 on H200
+    bf16 moves 16 -> 32 -> 64 -> 128 at 64 / 128 / 256 / 512 tokens. moe_align_block_size
+    pads every expert's tokens to whole tiles, and a tile does all its rows' math."""
+    if not s.experts:
+        return MOE_TILES[0]
+    per_expert = tokens * s.topk / s.experts
+    return next((t for t in MOE_TILES if t >= per_expert), MOE_TILES[-1])
 
 
 def _moe_flops(s: EngineShape, tokens: float) -> float:

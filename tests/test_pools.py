@@ -199,6 +199,8 @@ def test_a_split_plans_reasons_are_its_pools_not_the_aggregated_runner_up(model,
             continue
         assert set(x.data["pools"]) <= {"prefill", "decode"} and x.data["pools"], x.code
         assert x.text.startswith(("both pools: ", "prefill pool: ", "decode pool: ")), x.text
+    if any(p.engine.parallel.expert_parallel and p.engine.parallel.dp > 1 for p in d.pools):
+        assert any(x.code.startswith("all2all.") for x in d.reasons), codes  # the pools' own
     (seqs,) = [x for x in d.reasons if x.code == "max_num_seqs.decode_slo"]  # balanced
     assert seqs.data["max_num_seqs"] == d.pools[1].engine.max_num_seqs
     assert load(json.loads(json.dumps(dump(d)))) == d

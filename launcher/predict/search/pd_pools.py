@@ -274,9 +274,9 @@ _DEPLOYMENT_CODES = frozenset({"workload", "vllm.version"})
 rest describe the aggregated runner-up, whose headline figure the choice's reason gives."""
 _POOL_CODES = {
     "prefill": ("layout", "kv_cache_dtype", "gpu_memory_utilization", "max_model_len",
-                "max_num_batched_tokens", "all2all_backend", "eplb"),
+                "max_num_batched_tokens", "all2all", "eplb"),
     "decode": ("layout", "kv_cache_dtype", "gpu_memory_utilization", "max_model_len", "parsers",
-               "all2all_backend", "eplb", "mtp"),
+               "all2all", "eplb", "mtp"),
 }
 """A pool replica's own decisions, by code family, where they matter to that pool: prefill's
 chunk size, decode's draft and parsers (max-num-seqs is re-cut for decode below)."""

@@ -173,7 +173,10 @@ def env() -> dict[str, str]:
     return {**keep, "PATH": f"{top / 'bin'}:{keep.get('PATH', '/usr/bin:/bin')}",
             "PYTHONPATH": str(ROOT), "HOME": str(top / "home"), "COLUMNS": COLUMNS,
             "NO_COLOR": "1", "TERM": "dumb", "HF_HUB_OFFLINE": "1",  # the HF cache: HOME's
-            "VLAUNCH_CACHE_DIR": str(top / "home" / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
+            "VLAUNCH_CACHE_DIR": str(top / "home" / "cache"), "PYTHONDONTWRITEBYTECODE": "1",
+            # the engine command a dry run prints, as `python3`: the interpreter's own path
+            # (this checkout's venv) would wrap the quoted lines differently in every clone
+            "VLAUNCH_VLLM_COMMAND": "python3 -m vllm.entrypoints.openai.api_server"}
 
 
 @functools.cache

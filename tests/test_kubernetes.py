@@ -45,7 +45,11 @@ CRD_FILES = {
     ("monitoring.coreos.com", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
     ("monitoring.coreos.com", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
     ("keda.sh", "ScaledObject"): "keda.sh_scaledobjects.yaml",
+    ("inference.networking.k8s.io", "InferencePool"):
+        "inference.networking.k8s.io_inferencepools.yaml",
 }
+"""Every custom resource the overlays use, with its CRD in ../shared/reference/crds (one table for
+all the Kubernetes tests)."""
 GPU = "nvidia.com/gpu"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 TINI = ["tini", "--"]

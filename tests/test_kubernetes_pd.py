@@ -17,29 +17,22 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from test_kubernetes import (
-    CRDS,
+    CRD_FILES,
     K8S,
     K8S_VERSION,
     TINI,
+    _crd_validator,
     _generator,
     _kustomize,
     _of_kind,
     _peer_matches,
     _selects,
-    _strict,
 )
 
 from launcher.cli import cli
 
 NAME = "deepseek-r1-pd-2x8xh200"
 FOLDER = K8S / "overlays" / NAME
-CRD_FILES = {
-    ("inference.networking.k8s.io", "InferencePool"):
-        "inference.networking.k8s.io_inferencepools.yaml",
-    ("keda.sh", "ScaledObject"): "keda.sh_scaledobjects.yaml",
-    ("monitoring.coreos.com", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
-    ("monitoring.coreos.com", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
-}
 POOLS = ("prefill", "decode")
 SIDECAR = "ghcr.io/llm-d/llm-d-routing-sidecar"
 
@@ -101,18 +94,6 @@ def test_core_objects_validate_against_kubernetes_schemas(objs):
         checked.add(obj["kind"])
     assert {"Deployment", "Service", "NetworkPolicy", "ConfigMap", "ServiceAccount", "Role",
             "RoleBinding", "PersistentVolumeClaim"} <= checked
-
-
-def _crd_validator(group: str, kind: str, version: str):
-    jsonschema = pytest.importorskip("jsonschema")
-    path = CRDS / CRD_FILES[(group, kind)]
-    if not path.is_file():
-        pytest.skip(f"CRD schema not available: {path}")
-    crd = yaml.safe_load(path.read_text())
-    (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
-    schema = _strict(ver["schema"]["openAPIV3Schema"])
-    schema["properties"]["metadata"] = {"type": "object"}
-    return jsonschema.Draft7Validator(schema)
 
 
 def test_custom_resources_validate_against_published_crds(objs):

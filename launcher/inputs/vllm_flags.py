@@ -499,13 +499,19 @@ def _check_speculative(v: Any) -> str | None:
     return _check_object(v, _SPEC_KEYS, BY_DEST["speculative_config"])
 
 
-def _check_object(v: Any, keys: Mapping[str, str], f: FlagSpec) -> str | None:
-    """A JSON object flag as the planner writes it: only `keys`, each value passing its check."""
+def _json_object(v: Any) -> dict[str, Any] | None:
+    """`v` read as a non-empty JSON object, or None (not text, not JSON, or not an object)."""
     try:
         obj = json.loads(v) if isinstance(v, str) else None
     except (ValueError, RecursionError):
-        obj = None
-    if not isinstance(obj, dict) or not obj:
+        return None
+    return obj if isinstance(obj, dict) and obj else None
+
+
+def _check_object(v: Any, keys: Mapping[str, str], f: FlagSpec) -> str | None:
+    """A JSON object flag as the planner writes it: only `keys`, each value passing its check."""
+    obj = _json_object(v)
+    if obj is None:
         return "is not a JSON object"
     for key, val in obj.items():
         check = keys.get(key)
@@ -528,11 +534,8 @@ def _check_kv_transfer(v: Any) -> str | None:
     module) or any field the planner does not write."""
     from ..paths import profiles_dir, read_yaml
 
-    try:
-        obj = json.loads(v) if isinstance(v, str) else None
-    except (ValueError, RecursionError):
-        obj = None
-    if not isinstance(obj, dict) or not obj:
+    obj = _json_object(v)
+    if obj is None:
         return "is not a JSON object"
     allowed = {"kv_connector": tuple(read_yaml(profiles_dir() / "connectors.yaml")["connectors"]),
                "kv_role": _KV_ROLES, "kv_buffer_device": _KV_DEVICES}

@@ -11,6 +11,7 @@ import sys
 import pytest
 import yaml
 
+from launcher.deployment.plan import Startup
 from launcher.errors import InputError
 from launcher.observe.families import scaling_families
 from launcher.observe.vllmpage import parse_vllm_metrics
@@ -38,7 +39,7 @@ def _derive(knee: Knee, ask: ScalingAsk | None = None, role: str = "aggregated",
             seconds: float = 55.0, **kw):
     args = dict(ttft_slo_ms=2000.0, single_ttft_ms=120.0, dp=1, kv_tokens_per_engine=524_304,
                 block_size=16, input_len=1024, output_len=256)
-    st = startup.Startup(seconds, {"all": seconds}, "local", "model")
+    st = Startup(seconds, "model", "local", {"all": seconds})
     return derive(knee, startup=st, ask=ask or ScalingAsk(), role=role, **{**args, **kw})
 
 
@@ -121,9 +122,12 @@ def test_capture_sizes_are_vllms_defaults():
 
 def test_startup_terms_add_up_and_grow_with_bytes_and_path():
     s = startup.predict(8 * GiB, 8, 80, 256, "local")
-    # weights: 15.3 s + max(8 GiB / 0.93 GiB/s, 64 GiB / 3 GiB/s) = 15.3 + 21.3
-    assert s.terms["weights"] == pytest.approx(15.3 + 64 / 3.0, rel=1e-6)
-    assert s.seconds == pytest.approx(sum(s.terms.values()))
+    assert isinstance(s, Startup)  # the plan's own type, no second shape
+    # weights: 15.3 s + max(8 GiB / 0.93 GiB/s, 64 GiB / 3 GiB/s) = 15.3 + 21.3, at the 0.1 s
+    # the plan prints
+    assert s.terms["weights"] == round(15.3 + 64 / 3.0, 1) == 36.6
+    # the sum is rounded once, each term once: at most half a tenth apart per term
+    assert s.seconds == pytest.approx(sum(s.terms.values()), abs=0.05 * (len(s.terms) + 1))
     slow = startup.predict(8 * GiB, 8, 80, 256, "volume")
     assert slow.terms["weights"] > s.terms["weights"]
     eager = startup.predict(8 * GiB, 8, 80, 256, "local", enforce_eager=True)
@@ -134,7 +138,37 @@ def test_startup_terms_add_up_and_grow_with_bytes_and_path():
         path = rng.choice(list(startup.LOAD_PATHS))
         p = startup.predict(per, ranks, rng.randint(1, 128), rng.randint(1, 1024), path,
                             cpu=rng.random() < 0.2)
-        assert p.seconds >= per * ranks / startup.LOAD_PATHS[path].bytes_per_s
+        # rounding is monotone: the 0.1 s figure is never under the floor at 0.1 s
+        assert p.seconds >= round(per * ranks / startup.LOAD_PATHS[path].bytes_per_s, 1)
+        assert p.seconds == round(p.seconds, 1) and all(v == round(v, 1) for v in p.terms.values())
+
+
+def test_the_windows_read_the_startup_the_plan_prints():
+    """One figure: the scale-up window is the start-up the plan prints (0.1 s) rounded up to a
+    whole second, never the estimator's unrounded sum (which a 141.03 s start-up turned into a
+    142 s window beside a printed 141.0 s)."""
+    rng = random.Random(11)
+    for _ in range(300):
+        per, ranks = rng.uniform(0.1, 400) * GiB, rng.choice([1, 2, 4, 8, 16])
+        st = startup.predict(per, ranks, rng.randint(1, 128), rng.randint(1, 1024),
+                             rng.choice(list(startup.LOAD_PATHS)), cpu=rng.random() < 0.2,
+                             enforce_eager=rng.random() < 0.2)
+        a = derive(_knee(), ttft_slo_ms=2000.0, single_ttft_ms=120.0, dp=1,
+                   kv_tokens_per_engine=524_304, block_size=16, input_len=1024, output_len=256,
+                   startup=st, ask=ScalingAsk())
+        assert a.startup_s == st.seconds
+        assert a.scale_up_stabilization_s == min(math.ceil(st.seconds - 1e-9), HPA_MAX_WINDOW_S)
+
+
+def test_the_plans_startup_is_the_deployments(tiny_model):
+    """The planner's start-up flows into the typed plan as the same object, not rebuilt from
+    a dict."""
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.search.planner import make_plan
+
+    plan = make_plan(load_model(str(tiny_model)), parse_gpus("cpu"))
+    assert isinstance(plan.startup, Startup) and plan.deployment().pool.startup is plan.startup
 
 
 def test_measured_startup_is_used_by_the_next_plan(tmp_path, monkeypatch, tiny_model):

@@ -36,9 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...deployment.plan import Autoscaling
+from ...deployment.plan import Autoscaling, Startup
 from ...errors import InputError
-from .startup_time import Startup
 
 HPA_MAX_WINDOW_S = 3600
 """`stabilizationWindowSeconds` must be 0..3600 (autoscaling/v2 HPAScalingRules; KEDA CRD)."""

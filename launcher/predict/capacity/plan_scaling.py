@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...deployment.plan import Startup
 from ..speed import request_model as perf
 from . import startup_measured
 from . import startup_time as startup
 from .autoscaling import Autoscaling, Knee, ScalingAsk, derive
 
 
-def plan_startup(plan: Any, d: Any, load_path: str | None) -> startup.Startup:
+def plan_startup(plan: Any, d: Any, load_path: str | None) -> Startup:
     """The measured start-up of this setup if one was recorded, else the model's."""
     m = plan.model
     path = load_path or startup.load_path_for(m.source, m.path)
@@ -30,7 +31,7 @@ def plan_startup(plan: Any, d: Any, load_path: str | None) -> startup.Startup:
                            speculative_tokens=spec)
 
 
-def plan_autoscaling(plan: Any, start: startup.Startup, ask: ScalingAsk | None,
+def plan_autoscaling(plan: Any, start: Startup, ask: ScalingAsk | None,
                      role: str = "aggregated") -> Autoscaling | None:
     """The pool's targets from the plan's knee; None when it has no knee (the SLO is out of
     reach, or no speed facts), unless a load was asked for, which cannot then be held."""

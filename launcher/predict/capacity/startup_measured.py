@@ -4,7 +4,7 @@ Why: start-up depends on what no table knows well (the disk behind the weights, 
 cache, the driver), and it sets the autoscaler's stabilization windows. So once an engine of a
 setup has started, the time from launch to ready (and each log phase's share) is recorded under
 a key of the decisions that change it, and a later plan of the same setup uses it instead of the
-model in `startup.py`, saying so (as MTP acceptance is learnt, predict/features/speculative.py).
+model in `startup_time.py`, saying so (as MTP acceptance is learnt, features/speculative.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...deployment.plan import Deployment
+from ...deployment.plan import Deployment, Startup
 from ...paths import cache_dir, read_json_object, report_corrupt, update_json_object
-from .startup_time import Startup, measured
+from .startup_time import measured
 
 
 def key(d: Deployment, load_path: str) -> str:

@@ -25,9 +25,10 @@ measured whole on this project's machine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from ...deployment.plan import Startup
 from ...inputs.hardware import GiB, MiB
 
 
@@ -98,21 +99,14 @@ def capture_sizes(max_num_seqs: int, decode_query_len: int = 1,
     return [s for s in sizes if s <= top] or [1]
 
 
-@dataclass(frozen=True)
-class Startup:
-    """A replica's predicted (or measured) start-up, term by term, in seconds."""
-
-    seconds: float
-    terms: dict[str, float]
-    load_path: str
-    source: str  # "model" or "measured"
-    assumptions: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"seconds": round(self.seconds, 1), "source": self.source,
-                "load_path": self.load_path,
-                "terms": {k: round(v, 1) for k, v in self.terms.items()},
-                "assumptions": list(self.assumptions)}
+def _startup(terms: dict[str, float], load_path: Any, source: Literal["model", "measured"],
+             notes: list[str], seconds: float | None = None) -> Startup:
+    """The plan's own `deployment.plan.Startup` (one declaration of the shape), at the 0.1 s
+    the plan prints: so the autoscaler's windows, the summary and the JSON read one figure.
+    `seconds` is the terms' sum unless measured whole."""
+    total = sum(terms.values()) if seconds is None else seconds
+    return Startup(seconds=round(total, 1), source=source, load_path=load_path,
+                   terms={k: round(v, 1) for k, v in terms.items()}, assumptions=tuple(notes))
 
 
 def predict(per_rank_bytes: float, ranks: int, layers: int, max_num_seqs: int,
@@ -129,7 +123,7 @@ def predict(per_rank_bytes: float, ranks: int, layers: int, max_num_seqs: int,
     if cpu:
         terms = {"process_and_compile": CPU_START_S, "weights": total / path.bytes_per_s}
         notes.append("CPU engine: start-up measured whole on 2 cores (no CUDA graphs)")
-        return Startup(sum(terms.values()), terms, load_path, "model", tuple(notes))
+        return _startup(terms, load_path, "model", notes)
     terms = {"process": PROCESS_START_S, "weights": LOADER_FIXED_S + read_s}
     notes.append(f"loader: {LOADER_FIXED_S:g} s + {GiB / LOADER_BYTES_PER_S:.2f} s/GiB per rank "
                  "(llm-d config_explorer rows LD01/LD07/LD09)")
@@ -144,15 +138,15 @@ def predict(per_rank_bytes: float, ranks: int, layers: int, max_num_seqs: int,
                      f"~{INDUCTOR_S:g} s Inductor)")
         notes.append(f"CUDA graphs: {len(sizes)} sizes up to {sizes[-1]} x 2 (FULL_AND_PIECEWISE)"
                      f" x {layers} layers at {GRAPH_CAPTURE_S_PER_SIZE_LAYER * 1e3:.0f} ms")
-    return Startup(sum(terms.values()), terms, load_path, "model", tuple(notes))
+    return _startup(terms, load_path, "model", notes)
 
 
 def measured(seconds: float, phases: dict[str, float], load_path: str, when: str) -> Startup:
     """A start-up vLLM's log phases timed on an earlier boot of the same setup."""
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"a measured start-up must be positive seconds, not {seconds}")
-    return Startup(seconds, dict(phases), load_path, "measured",
-                   (f"measured by vlaunch from vLLM's log phases ({when})",))
+    return _startup(dict(phases), load_path, "measured",
+                    [f"measured by vlaunch from vLLM's log phases ({when})"], seconds)
 
 
 def load_path_for(source: str, path: str | None) -> str:

@@ -123,8 +123,7 @@ def deployment(plan: Any) -> D.Deployment:
                   max_concurrency=round(c.concurrency, 2), performance=perf, serving=serving,
                   per_stage=stages,
                   autoscaling=plan.autoscaling,
-                  startup=build(D.Startup, plan.startup.to_dict(), "startup")
-                  if plan.startup else None)
+                  startup=plan.startup)
     w, slo = plan.workload, plan.slo
     return D.Deployment(
         fits=plan.fits, model=_model(plan.model), hardware=_hardware(hw),

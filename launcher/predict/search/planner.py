@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...deployment.plan import Reason
+from ...deployment.plan import Reason, Startup
 from ...errors import InputError
 from ...inputs.hardware import GiB, Hardware, MiB
 from ...inputs.model import ModelSpec
@@ -73,7 +73,7 @@ class Plan:
     concurrency: int | None = None  # the operating point the user asked for (--concurrency)
     judged: int = 0  # candidates the search judged for memory
     timed: int = 0  # of those, judged for speed too
-    startup: Any = None  # startup.Startup of one replica (scaleplan.attach)
+    startup: Startup | None = None  # one replica's (plan_scaling.attach)
     autoscaling: Any = None  # autoscaling.Autoscaling of the pool (scaleplan.attach)
 
     @property

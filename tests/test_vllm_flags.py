@@ -21,6 +21,7 @@ from launcher.inputs import vllm_flags as F
 from launcher.paths import profiles_dir, read_yaml
 from launcher.redact import REDACTED, redact_args, secret_flags
 from launcher.run import multinode
+from launcher.run.exec_check import check_exec_plan, plan_context
 
 REPO = Path(__file__).resolve().parents[1]
 REMOVED = {"enable_reasoning"}  # vLLM 0.7.1-0.8.x only: not in the installed 0.32.0
@@ -214,7 +215,7 @@ def _tampered(extra: list[str]) -> None:
     a plan.json whose vllm_args its engine does not give (test_multinode.py); this is the
     allow-list behind both."""
     plan = _mn_plan()
-    multinode.check_plan_flags(pool_argv(plan.pool) + extra, multinode.plan_context(plan))
+    multinode.check_plan_flags(pool_argv(plan.pool) + extra, plan_context(plan))
     raw = dump(plan)  # what the allow-list lets through, the codec's argv check must refuse
     raw["pools"][0]["vllm_args"] += extra
     load(raw)
@@ -266,6 +267,8 @@ def test_multinode_refuses_a_typed_engine_holding_a_value_a_plan_may_not_carry(e
 
 
 def test_a_chat_template_in_the_plans_folder_or_the_models_is_taken(tmp_path):
+    """`exec`'s check and the multi-node launch take and refuse the same paths: one context
+    (exec_check.plan_context)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "t.jinja").write_text("{{ x }}")
@@ -275,11 +278,19 @@ def test_a_chat_template_in_the_plans_folder_or_the_models_is_taken(tmp_path):
                                                   {"plan_dir": str(tmp_path / "plan")})):
         plan = _mn_plan(model="m", model_path=str(model), chat_template=str(template))
         assert str(template) in _launch(plan, **kw).argv
+        check_exec_plan(plan, **kw)
+        if kw:  # outside the model's folder, a template needs the plan's
+            with pytest.raises(InputError, match="chat-template"):
+                _launch(plan)
+            with pytest.raises(InputError, match="chat-template"):
+                check_exec_plan(plan)
     (model / "link.jinja").symlink_to("/etc/passwd")  # inside by name, outside by target
     for template in (model / "link.jinja", model / ".." / ".." / "etc" / "passwd"):
         plan = _mn_plan(model="m", model_path=str(model), chat_template=str(template))
         with pytest.raises(InputError, match="chat-template"):
             _launch(plan)
+        with pytest.raises(InputError, match="chat-template"):
+            check_exec_plan(plan)
 
 
 def _emit(tmp_path: Path, *pins: str) -> Path:

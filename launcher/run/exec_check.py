@@ -26,6 +26,14 @@ def _finite(v: float, *, whole: bool = False, positive: bool = True) -> bool:
     return v > 0 if positive else v >= 0
 
 
+def plan_context(dep: Deployment, plan_dir: str | None = None) -> F.PlanContext:
+    """The flag table's context for a plan's argv: the model the plan names, and the folders a
+    path it carries (a chat template) may point into, the model's own and the plan's. The one
+    context `check_exec_plan` and `multinode.build_launch` check every argv against."""
+    m = dep.model
+    return F.PlanContext(m.path or m.hf_id, tuple(str(r) for r in (m.path, plan_dir) if r))
+
+
 def check_exec_plan(dep: Deployment, plan_dir: str | None = None) -> None:
     """Everything `exec` takes from a loaded plan into vLLM's argv or a re-plan (a plan.json on
     a shared volume is an attacker's text, issue 31): the engine's arguments through the flag
@@ -33,8 +41,7 @@ def check_exec_plan(dep: Deployment, plan_dir: str | None = None) -> None:
     model's or the plan's folder, parsers and backends only as plain names), and the numbers a
     re-plan reads finite and in range. One line naming the field; never a traceback."""
     fix = "re-emit it with `vlaunch plan MODEL --emit DIR`"
-    m = dep.model
-    ctx = F.PlanContext(m.path or m.hf_id, tuple(str(r) for r in (m.path, plan_dir) if r))
+    m, ctx = dep.model, plan_context(dep, plan_dir)
     for pool in dep.pools:  # exec runs the plan's argv and environment as they are
         if dep.fits:  # a P/D pool's --kv-transfer-config included
             F.check_plan_args(pool_argv(pool), ctx)

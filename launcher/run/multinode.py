@@ -29,6 +29,7 @@ from ..deployment.argv import pool_argv
 from ..deployment.plan import Deployment, Parallel, Pool
 from ..errors import InputError
 from ..inputs import vllm_flags as F
+from .exec_check import plan_context
 from .vllmargs import in_serve_form
 
 LEADER, WORKER = "leader", "worker"
@@ -152,12 +153,6 @@ def _resolve_node(
             "(a LeaderWorkerSet does)"
         )
     return actual, rank, address
-
-
-def plan_context(dep: Deployment, plan_dir: str | None = None) -> F.PlanContext:
-    """The model the plan names and the folders a path it carries may point into."""
-    m = dep.model
-    return F.PlanContext(m.path or m.hf_id, tuple(str(r) for r in (m.path, plan_dir) if r))
 
 
 def build_launch(

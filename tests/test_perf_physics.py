@@ -140,7 +140,7 @@ def test_decode_stays_under_70_and_prefill_under_75_percent_of_peak_flops():
         assert pst.flops / (step_s(s, 0, 0, chunk, prefix) / s.pp * s.peak) <= 0.75 + 1e-9, pid
 
 
-def _e2e(p: perf.Point, w: Workload) -> float:
+def _e2e(p: perf.OperatingPoint, w: Workload) -> float:
     return p.ttft_ms + (w.output_len - 1) * p.tpot_ms
 
 

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...deployment.plan import Point
 from ...inputs.workload import SLO, Workload
 from .step import (
     DEFAULT,
@@ -50,8 +51,8 @@ from .step import (
     touched_fraction,
 )
 
-__all__ = ["DEFAULT", "Constants", "EngineShape", "engine_shape", "touched_fraction", "Point",
-           "point", "knee", "curve", "binding", "decode_step_s", "prefill_step_s",
+__all__ = ["DEFAULT", "Constants", "EngineShape", "engine_shape", "touched_fraction",
+           "OperatingPoint", "point", "knee", "curve", "binding", "decode_step_s", "prefill_step_s",
            "prompt_s", "running_limit", "max_running", "open_loop_rate", "Calibration",
            "scaled", "calibrate", "value_range", "HELD_OUT_SPREAD", "CLIENTS", "client_of",
            "bench_point", "poisson_point", "closed_loop_point", "burst_point", "recompute_s",
@@ -161,25 +162,32 @@ def prompt_s(s: EngineShape, length: float, running: float, ctx: float) -> tuple
 # ----------------------------------------------------------------------------- operating points
 
 
-@dataclass(frozen=True)
-class Point:
-    """The deployment at `concurrency` requests in flight (all DP engines together)."""
+_PLAN_DIGITS = {"concurrency": 2, "tpot_ms": 2, "ttft_ms": 1, "output_tokens_per_s": 1,
+                "requests_per_s": 3}
+"""Decimals each of the plan's point figures keeps: the JSON's, and every sentence that quotes
+one (rank.figure) reads the same rounded point."""
 
-    concurrency: float
-    tpot_ms: float
-    ttft_ms: float
-    output_tokens_per_s: float
-    requests_per_s: float
+
+@dataclass(frozen=True)
+class OperatingPoint(Point):
+    """The deployment at `concurrency` requests in flight (all DP engines together), as the
+    model predicts it: the plan's figures (`deployment.plan.Point`, unrounded, the fields
+    inherited so they are declared once) and what the model also knows of the busiest engine,
+    which the search reads (the knee's running batch sizes max_num_seqs, the limit and the
+    bound name what binds) and the plan does not carry."""
+
     running: float  # on the busiest engine, actually decoding
     limit: str  # what caps `running`: none | max_num_seqs | kv_cache
-    compute_bound: bool
     bound: str = "memory"  # what dominates the busiest engine's decode step: memory|compute|fixed
 
+    def plan_point(self) -> Point:
+        """The plan's own point at the decimals it prints: the one conversion."""
+        return Point(**{f.name: round(getattr(self, f.name), _PLAN_DIGITS[f.name])
+                        for f in dataclasses.fields(Point)})
+
     def to_dict(self) -> dict[str, Any]:
-        return {"concurrency": round(self.concurrency, 2), "tpot_ms": round(self.tpot_ms, 2),
-                "ttft_ms": round(self.ttft_ms, 1),
-                "output_tokens_per_s": round(self.output_tokens_per_s, 1),
-                "requests_per_s": round(self.requests_per_s, 3)}
+        """`plan_point` as JSON values (a reason's data, a speculative option's note)."""
+        return dataclasses.asdict(self.plan_point())
 
 
 def running_limit(s: EngineShape, w: Workload) -> tuple[float, str]:
@@ -295,7 +303,7 @@ def _wave_s(s: EngineShape, length: float, wave: float, own: float) -> tuple[flo
 
 
 def point(s: EngineShape, w: Workload, concurrency: float,
-          prompts: float = BENCH_PROMPTS) -> Point:
+          prompts: float = BENCH_PROMPTS) -> OperatingPoint:
     """Closed loop: `concurrency` clients, each sending its next request when one completes
     (synchronised benchmark clients when `w.synchronized`, sending `prompts` in all)."""
     loads = _loads(concurrency, s.dp)
@@ -324,18 +332,18 @@ def point(s: EngineShape, w: Workload, concurrency: float,
     st = stage_step(s, micro, ctx, moe_tokens=None if moe is None else moe / s.pp)
     parts = {"memory": st.memory, "compute": st.compute, "fixed": st.fixed}
     bound = max(parts, key=lambda k: parts[k])
-    return Point(concurrency, busiest.tpot * 1e3, busiest.ttft * 1e3, rps * w.output_len, rps,
-                 busiest.running, busiest.limit, st.compute > st.memory, bound)
+    return OperatingPoint(concurrency, busiest.tpot * 1e3, busiest.ttft * 1e3,
+                          rps * w.output_len, rps, busiest.running, busiest.limit, bound)
 
 
 def bench_point(s: EngineShape, w: Workload, concurrency: float,
-                prompts: float = BENCH_PROMPTS) -> Point:
+                prompts: float = BENCH_PROMPTS) -> OperatingPoint:
     """`vllm bench serve --max-concurrency N --num-prompts P` on `w`'s fixed lengths: the
     client `--concurrency` predicts (synchronised clients)."""
     return point(s, dataclasses.replace(w, synchronized=True), concurrency, prompts)
 
 
-def burst_point(s: EngineShape, w: Workload, n: float) -> Point:
+def burst_point(s: EngineShape, w: Workload, n: float) -> OperatingPoint:
     """`n` requests of `w`'s lengths sent at once (`vllm bench serve --request-rate inf`):
     throughput is n over the MAKESPAN - the last request's completion, the whole wave's
     prompts before its first token - not over the mean request's life as in a steady loop
@@ -359,8 +367,8 @@ def burst_point(s: EngineShape, w: Workload, n: float) -> Point:
     st = stage_step(s, max(e.running / s.pp, min(e.running, 1.0)), ctx,
                     moe_tokens=None if moe is None else moe / s.pp)
     parts = {"memory": st.memory, "compute": st.compute, "fixed": st.fixed}
-    return Point(n, e.tpot * 1e3, e.ttft * 1e3, rps * w.output_len, rps, e.running, e.limit,
-                 st.compute > st.memory, max(parts, key=lambda k: parts[k]))
+    return OperatingPoint(n, e.tpot * 1e3, e.ttft * 1e3, rps * w.output_len, rps, e.running,
+                          e.limit, max(parts, key=lambda k: parts[k]))
 
 
 def recompute_s(s: EngineShape, w: Workload, load: float, cap: float) -> float:
@@ -391,7 +399,7 @@ def recompute_s(s: EngineShape, w: Workload, load: float, cap: float) -> float:
 
 
 def closed_loop_point(s: EngineShape, w: Workload, users: float, think_s: float = 0.0
-                      ) -> Point:
+                      ) -> OperatingPoint:
     """`users` staggered users, each waiting `think_s` between a response and its next
     request: in flight C = users x E2E / (E2E + think) (Little's law on the loop), found by
     bisection (C's E2E rises with C, so the fixed point is unique)."""
@@ -416,7 +424,7 @@ def closed_loop_point(s: EngineShape, w: Workload, users: float, think_s: float 
     return dataclasses.replace(point(s, w, max(lo, 1e-6)), concurrency=users)
 
 
-def poisson_point(s: EngineShape, w: Workload, rate: float) -> Point | None:
+def poisson_point(s: EngineShape, w: Workload, rate: float) -> OperatingPoint | None:
     """Open-loop Poisson arrivals at `rate` requests/s: the mean state of the engine, at the
     in-flight count C whose staggered closed loop serves exactly `rate` (Little: C = rate x
     E2E; the TTFT wait is already the M/D/1 of random arrivals). None when no C serves it:
@@ -455,7 +463,7 @@ def max_running(s: EngineShape, w: Workload) -> float:
     return running_limit(s, w)[0] * s.dp
 
 
-def knee(s: EngineShape, w: Workload, slo: SLO) -> Point | None:
+def knee(s: EngineShape, w: Workload, slo: SLO) -> OperatingPoint | None:
     """The largest whole concurrency that still meets the SLO; None if even 1 misses it.
     TTFT and TPOT never fall as concurrency rises, so a bisection finds it."""
     if not _meets(point(s, w, 1), slo):
@@ -472,11 +480,11 @@ def knee(s: EngineShape, w: Workload, slo: SLO) -> Point | None:
     return point(s, w, lo)
 
 
-def _meets(p: Point, slo: SLO) -> bool:
+def _meets(p: OperatingPoint, slo: SLO) -> bool:
     return slo.met(p.ttft_ms, p.tpot_ms)
 
 
-def curve(s: EngineShape, w: Workload, extra: tuple[float, ...] = ()) -> list[Point]:
+def curve(s: EngineShape, w: Workload, extra: tuple[float, ...] = ()) -> list[OperatingPoint]:
     """Concurrency 1, 2, 4, ... to twice the running limit, plus `extra` levels."""
     top = max(2.0, max_running(s, w) * 2)
     levels = {float(2 ** i) for i in range(0, int(math.log2(top)) + 1)}
@@ -484,7 +492,7 @@ def curve(s: EngineShape, w: Workload, extra: tuple[float, ...] = ()) -> list[Po
     return [point(s, w, c) for c in sorted(levels)]
 
 
-def binding(s: EngineShape, w: Workload, k: Point | None, slo: SLO) -> str:
+def binding(s: EngineShape, w: Workload, k: OperatingPoint | None, slo: SLO) -> str:
     """What stops the deployment at its knee: the KV cache, max_num_seqs, or the SLO on TPOT or
     TTFT, with what dominates the step there (slo_tpot_memory: the step reads bytes; _compute:
     it does math; _fixed: launches, collectives and host costs)."""

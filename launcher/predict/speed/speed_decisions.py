@@ -37,11 +37,11 @@ class Assessment:
     """One candidate's predicted service: its knee under the SLO and its curve."""
 
     shape: perf.EngineShape
-    knee: perf.Point | None
-    at: perf.Point
-    curve: list[perf.Point]
+    knee: perf.OperatingPoint | None
+    at: perf.OperatingPoint
+    curve: list[perf.OperatingPoint]
     binding: str
-    single: perf.Point  # one request alone: the latency objective's figure
+    single: perf.OperatingPoint  # one request alone: the latency objective's figure
     source: str = "model"
     notes: list[str] = field(default_factory=list)
     candidate: Any = None  # the planner's Candidate this assesses

@@ -198,6 +198,29 @@ def test_measured_startup_is_used_by_the_next_plan(tmp_path, monkeypatch, tiny_m
     assert startup_measured.key(dep, "local") != startup_measured.key(dep, "hub")
 
 
+def test_the_startup_serve_prints_is_the_one_the_next_plan_carries(tmp_path, monkeypatch,
+                                                                   tiny_model):
+    """Rounded once, as stored: a 1.049 s start-up is stored as 1.05 s, which the plan
+    prints as 1.1 s, so the line says 1.1 s too (it said 1.0 s)."""
+    monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
+    from launcher.inputs.hardware import parse_gpus
+    from launcher.inputs.model import load_model
+    from launcher.predict.search.planner import make_plan
+    from launcher.run.startup_timing import learn_startup
+
+    spec, hw = load_model(str(tiny_model)), parse_gpus("cpu")
+    dep = make_plan(spec, hw).deployment()
+
+    class Runner:
+        phase_marks = [("starting", 10.0), ("loading_weights", 10.449), ("ready", 11.049)]
+
+    line = learn_startup(Runner(), dep, None)
+    st = make_plan(spec, hw).deployment().pool.startup
+    assert st.source == "measured" and st.seconds == 1.1
+    assert line and "took 1.1 s (starting 0.5 s, loading_weights 0.6 s)" in line
+    assert dict(st.terms) == {"starting": 0.5, "loading_weights": 0.6}
+
+
 def test_plan_cli_bad_replicas_is_one_line_exit_2(tiny_model):
     r = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", str(tiny_model), "--gpus",
                         "cpu", "--min-replicas", "3", "--max-replicas", "2"],

@@ -767,7 +767,7 @@ def test_serve_records_the_start_up_and_the_next_plan_uses_it(env, model, tmp_pa
     measured_s = float(line.split("start-up took ")[1].split(" s")[0])
     d = make_plan(load_model(str(model)), parse_gpus("cpu"), Pins()).to_dict()
     assert d["startup"]["source"] == "measured"
-    assert d["startup"]["seconds"] == pytest.approx(measured_s, abs=0.06)
+    assert d["startup"]["seconds"] == measured_s  # the figure serve printed
     assert "starting" in d["startup"]["terms"]
     assert d["autoscaling"]["scale_up_stabilization_s"] >= d["startup"]["seconds"]
 

@@ -20,6 +20,9 @@ from ...deployment.plan import Deployment, Startup
 from ...paths import cache_dir, read_json_object, report_corrupt, update_json_object
 from .startup_time import measured
 
+STORED_DIGITS = 2
+"""Decimals of a second the store keeps: what a later plan reads, so what `serve` prints."""
+
 
 def key(d: Deployment, load_path: str) -> str:
     """A digest of what a start-up time depends on, from a plan: the model, the GPUs, the
@@ -73,7 +76,8 @@ def record(d: Deployment, load_path: str, seconds: float, phases: dict[str, floa
         return None
     # phases as [name, seconds] pairs: in the order vLLM went through them (a JSON object's
     # keys are sorted when the store is written)
-    row = {"seconds": round(seconds, 2), "phases": [[p, round(v, 2)] for p, v in phases.items()],
+    row = {"seconds": round(seconds, STORED_DIGITS),
+           "phases": [[p, round(v, STORED_DIGITS)] for p, v in phases.items()],
            "source": source, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     k = key(d, load_path)
 

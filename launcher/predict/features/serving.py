@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ...deployment.plan import EPLB, EPBackend, Reason, Serving, Speculative
+from ...deployment.plan import EPBackend, Reason, Serving, Speculative
 from ...errors import InputError
 from ...inputs.hardware import GiB
 from ..search import rank, search
@@ -69,20 +69,13 @@ def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoice
         ep = _chosen_ep(best)
         if ep.reason is not None:
             plan.reasons.append(ep.reason)
-    lb = dataclasses.replace(best.eplb) if best.fits else eplb.Decision()
-    if (r := lb.reason()) is not None:
-        plan.reasons.append(r)
+    lb = best.eplb if best.fits else eplb.NONE
+    if lb.reason is not None:
+        plan.reasons.append(lb.reason)
     spec = decision(plan, goal, res, best, mtp)
     plan.reasons.append(spec.reason)
     return Serving(speculative=spec, parsers=flags.parsers, ep_backend=ep,
-                   eplb=_plan_eplb(lb, r))
-
-
-def _plan_eplb(d: eplb.Decision, reason: Reason | None) -> EPLB:
-    """EPLB's decision as the plan carries it (the same Reason the plan's reasons hold)."""
-    return EPLB(applies=d.applies, enabled=d.enabled, pinned=d.pinned, ep_size=d.ep_size,
-                num_redundant_experts=d.num_redundant_experts, slots_per_rank=d.slots_per_rank,
-                bytes_per_gpu=d.bytes_per_gpu, reason=reason)
+                   eplb=lb)
 
 
 def _chosen_ep(best: Any) -> EPBackend:

@@ -48,6 +48,7 @@ from ...errors import InputError
 from ...inputs import vllm_flags as F
 from ...inputs.hardware import GiB
 from ..memory import redundant_experts as RX
+from ..search.pins import Origin, origin_data, said
 
 WIDE_EP = 8
 """EP sizes above this are wide EP, where EPLB is on unless pinned off (TensorRT-LLM blog 4:
@@ -95,6 +96,10 @@ def _batch(d: Mapping[str, Any]) -> str:
             f"{d['batch_cost_share']:.0%} fewer")
 
 
+def _origin(d: Mapping[str, Any]) -> Origin:
+    return "plan" if d.get("from_plan") else "you"
+
+
 def why(d: Mapping[str, Any]) -> str:
     """The clause that says why EPLB is off (or cannot be on), from a reason's data alone."""
     c = d["cause"]
@@ -111,7 +116,7 @@ def why(d: Mapping[str, Any]) -> str:
     if c == "pipeline":
         return "EPLB is planned for one pipeline stage; this layout has PP > 1"
     if c == "pinned_off":
-        return "pinned by you (--no-eplb)" if d["pinned"] else "from the emitted plan (--no-eplb)"
+        return f"{said(_origin(d))} (--no-eplb)"
     if c == "narrow":
         return (f"EP{d['ep_size']} is not wide EP (above EP{d['wide_ep']} a hot rank appears; "
                 f"TensorRT-LLM blog 4), so the {d['bytes_per_gpu'] / GiB:.2f} GiB a GPU of "
@@ -136,9 +141,7 @@ def render(code: str, d: Mapping[str, Any]) -> str:
     if code != "eplb.on":
         raise ValueError(f"not an EPLB reason: {code!r}")
     if d["cause"] == "pinned":
-        head = ("EPLB on (pinned by you, --eplb)" if d["pinned"] else
-                "EPLB on (from the emitted plan, --eplb)")
-        return f"{head}: {_cost(d)}; {_gain()}"
+        return f"EPLB on ({said(_origin(d))}, --eplb): {_cost(d)}; {_gain()}"
     return (f"EPLB on: wide EP{d['ep_size']}; {_cost(d)}; {_batch(d)}, under the "
             f"{d['hot_rank_cut']:.0%} of the hottest rank's routed tokens it removes; {_gain()}")
 
@@ -180,14 +183,20 @@ def problem(d: EPLB) -> str:
     return f"--eplb pinned, but {why(d.reason.data)}"
 
 
+def _who(pinned: bool | None, origin: Origin | None) -> dict[str, Any]:
+    return origin_data(None if pinned is None else origin or "you")
+
+
 def propose(spec: Any, hw: Any, layout: Any, version: str, pinned: bool | None,
-            all2all: str | None) -> EPLB:
+            all2all: str | None, origin: Origin | None = None) -> EPLB:
     """EPLB before the memory is judged: whether it applies and is wanted, and its cost per GPU
     (`enabled` here means wanted: `settle` decides). A pin the engine cannot honour is bad
-    input (one line, exit 2)."""
+    input (one line, exit 2). `origin`: who pinned it (the user unless `exec --replan` took it
+    from the emitted plan); the plan's `EPLB.pinned` is true either way, the reason's data
+    `pinned` only for the user's."""
     ep = layout.tp * layout.dp
     d = dataclasses.replace(NONE, pinned=pinned is not None, ep_size=ep)
-    base = {"ep_size": ep, "pinned": pinned is not None}
+    base = {"ep_size": ep, **_who(pinned, origin)}
     lack = _unsupported(spec, hw, version)
     if lack is not None:
         if pinned:
@@ -224,7 +233,8 @@ def held_batch(tokens: int, max_num_seqs: int, request_tokens: int) -> float:
     return min(float(max_num_seqs), tokens / max(1, request_tokens))
 
 
-def settle(d: EPLB, before: Any, after: Any, workload: Any) -> EPLB:
+def settle(d: EPLB, before: Any, after: Any, workload: Any,
+           origin: Origin | None = None) -> EPLB:
     """The decision once the redundant experts' bytes are cut from the KV cache: `before` and
     `after` are the candidate without and with them. Auto: on only if `after` fits and the cut
     costs a smaller share of the batch the KV cache holds than `HOT_RANK_CUT` (the module's
@@ -235,7 +245,7 @@ def settle(d: EPLB, before: Any, after: Any, workload: Any) -> EPLB:
     held_before = held_batch(before.tokens, before.max_num_seqs, length)
     held_after = held_batch(after.tokens, before.max_num_seqs, length)
     share = 1 - held_after / held_before if held_before > 0 else 1.0
-    data = {"ep_size": d.ep_size, "pinned": d.pinned,
+    data = {"ep_size": d.ep_size, **_who(True if d.pinned else None, origin),
             "num_redundant_experts": d.num_redundant_experts,
             "slots_per_rank": d.slots_per_rank, "bytes_per_gpu": d.bytes_per_gpu,
             "kv_tokens_before": before.tokens, "kv_tokens_after": after.tokens,

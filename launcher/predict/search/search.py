@@ -85,7 +85,8 @@ class Goal:
         if layout not in self._ep:
             self._ep[layout] = ep_backend.choose(self.spec, self.hw, layout, self.objective,
                                                  self.workload, self.traits.version,
-                                                 self.pins.all2all_backend)
+                                                 self.pins.all2all_backend,
+                                                 "all2all_backend" in self.pins.from_plan)
         return self._ep[layout]
 
 
@@ -169,12 +170,12 @@ def _eplb(goal: Goal, k: Knobs, c: Candidate, ep: EPBackend
     with the redundant experts' bytes taken from its KV cache (one stage: EPLB needs PP 1).
     Returns the decision and the candidate it leaves (`c` itself when EPLB is off)."""
     d = eplb.propose(goal.spec, goal.hw, k.layout, goal.traits.version, goal.pins.eplb,
-                     ep.backend if ep.applies else None)
+                     ep.backend if ep.applies else None, goal.pins.origin("eplb"))
     if not d.enabled:
         return d, c
     after = rebudget(goal.spec, c, goal.kv_pinned, extra_weights_last=d.bytes_per_gpu,
                      pinned_bytes=goal.pins.kv_cache_memory_bytes)
-    return eplb.settle(d, c, after, goal.workload), after
+    return eplb.settle(d, c, after, goal.workload, goal.pins.origin("eplb")), after
 
 
 def speed(goal: Goal, j: Judged, full: bool = True) -> Judged:

@@ -239,7 +239,7 @@ def performance_lines(d: P.Deployment) -> list[str]:
     alts = [a for a in d.runners_up if a.fits]
     if alts:
         lines.append("    runner-ups:")
-        lines += [f"      {alt_label(a)}: {a.why_not}" for a in alts]
+        lines += [f"      {alt_label(a)}: {a.why_not.text}" for a in alts]
     return lines
 
 

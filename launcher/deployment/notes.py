@@ -112,7 +112,7 @@ def _shorter_context(d: Data) -> str:
 
 
 def _no_prediction(d: Data) -> str:
-    return f"fewer concurrent sequences ({d['max_concurrency']:.1f})"
+    return f"fewer concurrent sequences ({d['concurrent_sequences']:.1f})"
 
 
 def _does_not_fit(d: Data) -> str:

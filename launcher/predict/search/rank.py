@@ -99,7 +99,7 @@ def lost_on(j: Any, best: Any, objective: str, target: int) -> Reason:
         return notes.note("runner_up.shorter_context", max_model_len=c.max_model_len,
                           chosen_max_model_len=b.max_model_len, target=target)
     if j.perf is None or best.perf is None:
-        return notes.note("runner_up.no_prediction", max_concurrency=round(c.concurrency, 2),
-                          chosen_max_concurrency=round(b.concurrency, 2))
+        return notes.note("runner_up.no_prediction", concurrent_sequences=round(c.concurrency, 2),
+                          chosen_concurrent_sequences=round(b.concurrency, 2))
     return notes.note("runner_up.slower", **figure_data(j.perf, objective),
                       chosen=figure_data(best.perf, objective))

@@ -157,6 +157,49 @@ def shape_for(row: dict[str, str], w: Workload, spec: ModelSpec | None = None
     return shape
 
 
+def planned_shape(model: str, gpus: str, layout: Layout, version: str = "0.32.0",
+                  max_len: int = 32768) -> perf.EngineShape:
+    """The engine the planner builds for `layout` at `version`'s defaults (chunked prefill):
+    what `make bench` reads the MTP equal-load curve from."""
+    from launcher.inputs.hardware import parse_gpus
+
+    spec, hw = _spec(model), parse_gpus(gpus)
+    traits = version_traits(version)
+    pins = Pins(max_model_len=min(max_len, spec.max_context), vllm_version=version)
+    c = evaluate(spec, hw, layout, "auto", traits.default_gpu_memory_utilization, traits, pins,
+                 chunked=True)
+    shape = perf.engine_shape(spec, hw, layout, c.kv_bytes_per_token, c.tokens, c.max_num_seqs,
+                              c.max_num_batched_tokens, True) if c.fits else None
+    if shape is None:
+        raise InputError(f"{model} does not fit {gpus} as {layout}")
+    return shape
+
+
+MTP_CURVE_LAYOUTS = (("TP8", Layout(tp=8)), ("DP8+EP", Layout(dp=8, expert_parallel=True)))
+"""The two layouts of DeepSeek-R1 on 8xH200 whose equal-load MTP curve `make bench` prints."""
+
+
+def mtp_curve_table(ctx: int = 1024) -> str:
+    """MTP's equal-load speed-up over load, R1 on 8xH200 (mtp.equal_load_curve), the figure
+    issue 28 item 2 is about; the row's last column says whether it rises past 16 in flight."""
+    spec = _spec("deepseek-ai/DeepSeek-R1")
+    acc = mtp.Acceptance()
+    head = "  ".join(f"{c:>5}" for c in mtp.IN_FLIGHT)
+    lines = [f"MTP equal-load speed-up, DeepSeek-R1 on 8xH200, {ctx:,}-token context, by "
+             f"sequences in flight (mtp.equal_load_curve)", f"{'layout':8} {'k':>2}  {head}  "
+             "past 16"]
+    for name, layout in MTP_CURVE_LAYOUTS:
+        s = planned_shape("deepseek-ai/DeepSeek-R1", "8xH200", layout)
+        draft = mtp.draft_shape(spec, s, layout, "auto")
+        for k in (1, 2, 3):
+            curve = mtp.equal_load_curve(s, draft, k, acc, ctx)
+            after = [x for c, x in curve if c >= 16]
+            rise = max(after) / after[0] - 1
+            lines.append(f"{name:8} {k:>2}  " + "  ".join(f"{x:5.2f}" for _, x in curve)
+                         + f"  {'+' if rise > 0 else ''}{rise:.0%} at most")
+    return "\n".join(lines)
+
+
 def _with(s: perf.EngineShape, k: perf.Constants) -> perf.EngineShape:
     return dataclasses.replace(s, constants=k)
 

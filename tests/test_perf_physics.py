@@ -395,30 +395,29 @@ def _mtp_layouts():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 28 item 2 open: under uniform routing a plain step's touched experts saturate "
-    "between 16 and 64 in flight while the verify step's (2x the tokens) already have, so "
-    "the verify penalty shrinks and the modelled gain rises (R1 TP8, k = 1, 1k context: "
-    "1.17x at 16 -> 1.39x at 64); a power-law expert popularity (aiconfigurator's alpha ~1) "
-    "removes most of the dip but not the rise once KV or touched experts dominate, and its "
-    "refit loses held-out tok/s (15.5-17.4%, over the gate)"))
+    "issue 28 item 2, blocked on a measurement: the model's verify step pays for the experts "
+    "its 1 + k tokens touch, which saturate between 16 and 64 in flight, so the penalty "
+    "shrinks and the gain rises (R1 TP8, k = 1, 1k context: 1.17x at 16 -> 1.39x at 64; "
+    "`make bench` prints the curve). Sourced alternatives do not remove the rise: power-law "
+    "expert popularity (aiconfigurator, and lognormal sigma 1.1 matching TensorRT-LLM's EP32 "
+    "imbalance), within-sequence routing correlation (even rho = 0.85 leaves DP8+EP rising; "
+    "shared-expert models like DeepSeek show the least local routing consistency, arXiv "
+    "2505.16056), and aiconfigurator's measured vLLM 0.24 fused-MoE latencies on H200, "
+    "which themselves rise from 16 to 32 tokens by 1.6x and from 64 to 128 by 1.1x"))
 @pytest.mark.parametrize("layout", ["tp8dp1", "tp1dp8ep", "tp2dp4ep"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_equal_load_speedup_does_not_rise_with_batch_beyond_16(k, layout):
-    # vLLM, SGLang and the Gaudi fork all measure MTP's equal-load gain falling with batch
-    # (towards ~1.0x at 256): once 16 sequences are in flight, more of them never make a
+    # Issue 28: vLLM, SGLang and the Gaudi fork all measure MTP's equal-load gain falling with
+    # batch (towards ~1.0x at 256): once 16 sequences are in flight, more of them never make a
     # verified token cheaper (3% slack for the expert-occupancy curve's tail).
     acc = mtp.Acceptance()
     layouts = [x for x in _mtp_layouts() if x[0] == layout]
     assert layouts, layout
     for name, s, draft in layouts:
         for ctx in (1024, 4096, 16384):
-            prev = None
-            for c in (16, 32, 64, 128, 256):
-                b = c / s.dp  # in flight over the whole deployment
-                x = mtp.step_speedup(s, draft, k, acc, b, ctx)
-                if prev is not None:
-                    assert x <= prev * 1.03, (name, k, ctx, c, round(x, 3), round(prev, 3))
-                prev = x
+            curve = [x for c, x in mtp.equal_load_curve(s, draft, k, acc, ctx) if c >= 16]
+            for prev, x in zip(curve, curve[1:], strict=False):
+                assert x <= prev * 1.03, (name, k, ctx, round(x, 3), round(prev, 3))
 
 
 def test_fp8_gemms_are_never_slower_than_bf16_in_any_phase():

@@ -133,6 +133,21 @@ def step_speedup(shape: EngineShape, draft: EngineShape, k: int, acc: Acceptance
     return off / on
 
 
+IN_FLIGHT = (1, 4, 8, 16, 32, 64, 128, 256)
+"""Sequences in flight over a whole deployment at which the equal-load curve is read: the
+loads published MTP sweeps report (vLLM PR #13626: 1 and 8; the Gaudi fork's PR #1264: 4, 32,
+128, 256)."""
+
+
+def equal_load_curve(shape: EngineShape, draft: EngineShape, k: int, acc: Acceptance,
+                     ctx: float, in_flight: tuple[int, ...] = IN_FLIGHT
+                     ) -> tuple[tuple[int, float], ...]:
+    """(sequences in flight over the deployment, equal-load speed-up) at context `ctx`: the
+    one computation `make bench` prints and tests/test_perf_physics.py holds to its
+    properties. Each DP rank carries in_flight / DP of them (DP ranks decode whole requests)."""
+    return tuple((c, step_speedup(shape, draft, k, acc, c / shape.dp, ctx)) for c in in_flight)
+
+
 def choose_k(shape: EngineShape, draft: EngineShape, acc: Acceptance, workload: Workload,
              concurrency: float, ks: tuple[int, ...] = K_CHOICES) -> tuple[int, float]:
     """(k, output tokens/s) with the most output tokens/s at `concurrency`: more drafts at low

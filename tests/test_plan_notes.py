@@ -252,6 +252,7 @@ def test_a_calibrated_plan_says_so_in_data_and_in_its_reasons(tmp_path, monkeypa
     from launcher.predict.search.engine_from_plan import shape_from_plan
     from launcher.predict.speed import calibration
     from launcher.predict.speed import request_model as perf
+    from launcher.render import plan_text
 
     monkeypatch.setenv("VLAUNCH_CACHE_DIR", str(tmp_path))
     spec, hw = load_model("llama-3.1-8b"), parse_gpus("8xH100")
@@ -272,6 +273,7 @@ def test_a_calibrated_plan_says_so_in_data_and_in_its_reasons(tmp_path, monkeypa
         assert len(cal) == 1 and cal[0] in got.reasons
         assert cal[0].data["points"] == 3 and cal[0].data["scope"] == scope
         assert 0 <= cal[0].data["median_error"] < 1
+        assert plan_text(got).count(cal[0].text) == 1  # under `why`, not again under performance
 
 
 def test_the_text_says_the_notes_the_figures_do_not():

@@ -67,7 +67,7 @@ class Plan:
     objective: str = "balanced"
     workload: Workload | None = None
     slo: SLO | None = None
-    why_not: dict[int, str] = field(default_factory=dict)  # id(runner-up) -> the figure it lost on
+    why_not: dict[int, Reason] = field(default_factory=dict)  # id(runner-up) -> what it lost on
     drafts: dict[int, int] = field(default_factory=dict)  # id(runner-up) -> its MTP draft tokens
     serving: Any = None  # deployment.plan.Serving: MTP, parsers, all-to-all backend
     concurrency: int | None = None  # the operating point the user asked for (--concurrency)
@@ -526,7 +526,7 @@ def _explain_speed(plan: Plan) -> None:
         "performance.predicted",
         f"predicted ({a.source}): {rank.figure(a, plan.objective)}; binding: {a.binding}",
         {"source": a.source, "binding": a.binding}))
-    r.extend(Reason("performance.note", n) for n in a.notes)
+    r.extend(a.notes)  # the same Reasons as performance.notes (deployment/notes.py)
 
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from ...deployment.plan import EPBackend, Reason, Serving, Speculative
 from ...errors import InputError
-from ...inputs.hardware import GiB
 from ..search import rank, search
 from ..search.pins import Origin, origin_data, said
 from ..speed import request_model as perf
@@ -100,11 +99,7 @@ def _chosen_ep(best: Any) -> EPBackend:
                 f"default {ep.vllm_default} instead",
                 {**r.data, "wanted": ep.backend, "backend": ep.vllm_default, "buffer_bytes": 0,
                  "cause": r.code}))
-    if ep.buffer_bytes_per_gpu:
-        return dataclasses.replace(ep, reason=dataclasses.replace(
-            r, text=f"{r.text} ({ep.buffer_bytes_per_gpu / GiB:.2f} GiB of buffers per GPU, "
-            "taken from the KV cache)"))
-    return ep
+    return ep  # its reason already says what its buffers take from the KV cache
 
 
 def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Speculative:
@@ -180,9 +175,10 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Sp
                             "tokens_per_step": round(acc.tokens_per_step(k), 3),
                             "acceptance_first": acc.first, "acceptance_later": acc.later,
                             "objective": goal.objective}
-    head = (f"MTP on ({said(mtp.origin) if mtp.origin else f'objective {goal.objective}'}): "
-            f"{k} draft token(s), {acc.tokens_per_step(k):.2f} tokens per step at acceptance "
+    lead = f"MTP on ({said(mtp.origin) if mtp.origin else f'objective {goal.objective}'})"
+    what = (f"{k} draft token(s), {acc.tokens_per_step(k):.2f} tokens per step at acceptance "
             f"{acc.first:.2f}/{acc.later:.2f}; cost {speculative.describe_cost(best.mtp)}")
+    head = f"{lead}: {what}"
     on_ = functools.partial(speculative.decided, enabled=True, k=k, method=mtp.method,
                             pinned=pinned, acceptance=acc, cost=best.mtp,
                             options=tuple(options))
@@ -202,7 +198,7 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Sp
         equal_load = {"concurrency": on_d["concurrency"], "with": on_d, "without": off_d,
                       "speedup": round(speedup, 3)}
         data["equal_load_speedup"] = round(speedup, 3)
-        parts[0] = head.replace(": ", f": {speedup:.2f}x faster tokens at equal load, ", 1)
+        parts[0] = f"{lead}: {speedup:.2f}x faster tokens at equal load, {what}"
         parts.append(f"at equal load ({n:,.0f} in flight, same flags without the draft): "
                      f"TPOT {on_d['tpot_ms']:.1f} vs {off_d['tpot_ms']:.1f} ms, "
                      f"{on_d['output_tokens_per_s']:,.0f} vs {off_d['output_tokens_per_s']:,.0f} "

@@ -136,7 +136,18 @@ def scaling_lines(pool: P.Pool, pooled: bool = False) -> list[str]:
                    f"{a.target_waiting_per_replica} waiting, KV {a.kv_usage_threshold:.0%}; "
                    f"windows up {a.scale_up_stabilization_s:,} s, down "
                    f"{a.scale_down_stabilization_s:,} s")
+        out += scaling_notes(a, "    ")
     return out
+
+
+_SAID_BY_THE_BOUNDS = frozenset({"replicas.at_minimum", "replicas.rate_matched"})
+"""Autoscaling notes the replica bounds already say (nothing asked: the pool stays as planned)."""
+
+
+def scaling_notes(a: P.Autoscaling, indent: str) -> list[str]:
+    """Why the pool has its bounds (a --users/--rps load, --max-replicas) and whether its windows
+    were capped: the autoscaling notes a bare `min-max replicas` does not say."""
+    return [f"{indent}{n.text}" for n in a.notes if n.code not in _SAID_BY_THE_BOUNDS]
 
 
 def pool_lines(d: P.Deployment) -> list[str]:
@@ -166,6 +177,7 @@ def pool_lines(d: P.Deployment) -> list[str]:
             out.append(f"      autoscaling: {a.min_replicas}-{a.max_replicas} replicas on "
                        f"{on} per replica; windows up {a.scale_up_stabilization_s:,} s, down "
                        f"{a.scale_down_stabilization_s:,} s")
+            out += scaling_notes(a, "        ")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(dict(p.env)).items())
         out.append(f"      {env} " + shlex.join(serve_argv(d.vllm_version,
                                                        redact_args(pool_argv(p)))))
@@ -224,6 +236,8 @@ def performance_lines(d: P.Deployment) -> list[str]:
                      f"{k.output_tokens_per_s:,.0f} output tok/s{likely}, "
                      f"{k.requests_per_s:.2f} req/s, TPOT {k.tpot_ms:.1f} ms, "
                      f"TTFT {k.ttft_ms:,.0f} ms (bound by {perf.binding})")
+        # the notes the reasons below do not already give (a split's rate match, its hand-off)
+        lines += [f"    {n.text}" for n in perf.notes if n not in d.reasons]
     else:
         one = perf.single_request
         lines.append(f"    the SLO is out of reach even for one request (TPOT "
@@ -239,7 +253,7 @@ def performance_lines(d: P.Deployment) -> list[str]:
     alts = [a for a in d.runners_up if a.fits]
     if alts:
         lines.append("    runner-ups:")
-        lines += [f"      {alt_label(a)}: {a.why_not}" for a in alts]
+        lines += [f"      {alt_label(a)}: {a.why_not.text}" for a in alts]
     return lines
 
 

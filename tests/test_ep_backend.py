@@ -116,6 +116,9 @@ def test_plan_takes_deepep_buffers_from_kv_and_shows_why(with_deepep):
     reason = next(r["text"] for r in d["reasons"]
                   if r["text"].startswith("all2all-backend deepep_low_latency"))
     assert "GiB of NVSHMEM buffers" in reason and "KV " in reason
+    # said once, by the backend's own reason (not appended again by the serving decision)
+    assert reason.count(f"{e['buffer_bytes_per_gpu'] / GiB:.2f} GiB") == 1, reason
+    assert e["reason"]["text"] == reason
     assert e["buffer_bytes_per_gpu"] / GiB > 1
     # exec reproduces it
     spec, hw, p = inputs_from_plan(load(d))

@@ -3,6 +3,7 @@ reason as data, the pin, and the flags gated by the releases read from the sdist
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -15,9 +16,12 @@ from launcher.errors import InputError
 from launcher.inputs import vllm_flags as F
 from launcher.inputs.hardware import parse_gpus
 from launcher.inputs.model import load_model
+from launcher.inputs.workload import SLO, Workload
 from launcher.predict.features import eplb
+from launcher.predict.features.capabilities import version_traits
 from launcher.predict.memory import redundant_experts as RX
 from launcher.predict.memory.budget import Layout
+from launcher.predict.search import search
 from launcher.predict.search.planner import Pins, make_plan
 
 # DeepSeek-V3/R1 (../shared/reference/deepseek-facts.md): 58 MoE layers, hidden 7168, expert
@@ -131,20 +135,116 @@ def test_ep_within_one_node_keeps_its_kv_cache(r1):
 
 
 def _cand(tokens, seqs=64, fits=True):
-    return SimpleNamespace(tokens=tokens, max_num_seqs=seqs, fits=fits, problem="")
+    return SimpleNamespace(tokens=tokens, max_num_seqs=seqs, fits=fits, problem="no room")
 
 
-def test_the_memory_decides_when_the_batch_would_no_longer_fit():
-    w = SimpleNamespace(input_len=1000, output_len=1000)  # 64 x 2,000 = 128,000 tokens
-    d = eplb.Decision(applies=True, enabled=True, ep_size=32, num_redundant_experts=32,
-                      slots_per_rank=9, bytes_per_gpu=2_554_954_752)
-    import dataclasses
-    on = eplb.settle(dataclasses.replace(d), _cand(400_000), _cand(128_000), w)
-    assert on.enabled and on.code == "eplb.on" and on.data["batch_tokens"] == 128_000
-    off = eplb.settle(dataclasses.replace(d), _cand(400_000), _cand(127_999), w)
-    assert not off.enabled and off.code == "eplb.off" and "batch needs" in off.text
-    pinned = eplb.settle(dataclasses.replace(d, pinned=True), _cand(400_000), _cand(10), w)
-    assert pinned.enabled and pinned.data["pinned"]  # a pin is obeyed; the KV pays
+def _wanted(ep=32, pinned=False):
+    """EPLB as `propose` leaves it for a wide-EP engine of DeepSeek-R1: wanted, not settled."""
+    return dataclasses.replace(eplb.NONE, applies=True, enabled=True, pinned=pinned, ep_size=ep,
+                               num_redundant_experts=ep, slots_per_rank=256 // ep + 1,
+                               bytes_per_gpu=2_554_954_752)
+
+
+def test_the_threshold_is_the_share_of_the_hot_rank_s_tokens_eplb_removes():
+    # TensorRT-LLM blog 4, Table 1: the hottest rank 2.564x the mean without, 1.109x with
+    assert eplb.HOT_RANK_CUT == pytest.approx(1 - 1.109 / 2.564) == pytest.approx(0.5675, abs=1e-4)
+
+
+def test_the_cut_costs_the_batch_the_kv_cache_holds_before_and_after():
+    w = SimpleNamespace(input_len=1000, output_len=1000)  # 2,000 tokens a request
+    # max-num-seqs binds: 400,000 tokens hold 200 requests, the engine schedules 64; after the
+    # cut 128,000 tokens still hold 64: the cut costs nothing (the old rule said so too)
+    on = eplb.settle(_wanted(), _cand(400_000), _cand(128_000), w)
+    assert on.enabled and on.reason.code == "eplb.on"
+    assert (on.reason.data["batch_before"], on.reason.data["batch_after"]) == (64, 64)
+    assert on.reason.data["batch_cost_share"] == 0
+    # one token fewer: 63.9995 requests, a 0.0008% cut - still on (the old rule turned it off)
+    assert eplb.settle(_wanted(), _cand(400_000), _cand(127_999), w).enabled
+    # the KV cache binds (vLLM's default 1,024 seqs): 200 -> 100 requests is a 50% cut, under
+    # 1 - 1.109/2.564 = 56.75%: on; the old rule wanted 1,024 x 2,000 tokens and said off
+    half = eplb.settle(_wanted(), _cand(400_000, 1024), _cand(200_000, 1024), w)
+    assert half.enabled and half.reason.data["batch_cost_share"] == 0.5
+    # 200 -> 86.5 requests (173,000 tokens) is 56.75%: off; 173,100 tokens (86.55) is on
+    edge = 400_000 * 1.109 / 2.564  # 173,010.9 tokens: the break-even
+    assert not eplb.settle(_wanted(), _cand(400_000, 1024), _cand(173_000, 1024), w).enabled
+    assert eplb.settle(_wanted(), _cand(400_000, 1024), _cand(173_100, 1024), w).enabled
+    assert 173_000 < edge < 173_100
+    off = eplb.settle(_wanted(), _cand(400_000, 1024), _cand(86_000, 1024), w)
+    assert not off.enabled and off.reason.code == "eplb.off"
+    assert off.reason.data["cause"] == "batch" and off.reason.data["batch_after"] == 43
+    assert off.reason.text == eplb.render("eplb.off", off.reason.data)
+    misfit = eplb.settle(_wanted(), _cand(400_000), _cand(0, fits=False), w)
+    assert not misfit.enabled and misfit.reason.data["cause"] == "misfit"
+    assert misfit.reason.text.endswith("would leave too little: no room")
+    pinned = eplb.settle(_wanted(pinned=True), _cand(400_000), _cand(10), w)
+    assert pinned.enabled and pinned.reason.data["pinned"]  # a pin is obeyed; the KV pays
+
+
+def test_the_kv_bound_wide_ep_engine_keeps_eplb_on_with_vllm_s_default_batch(r1):
+    """The inverted rule: with max-num-seqs 1,024 the old test (the cache holds 1,024 whole
+    requests) failed wherever the KV cache binds, so more GPUs turned EPLB off."""
+    d = _plan(r1, "4x8xH100", tp=1, dp=32, expert_parallel=True, max_num_seqs=1024,
+              speculative=False)
+    r = next(r for r in d.reasons if r.code.startswith("eplb."))
+    assert d.engine.max_num_seqs == 1024 and r.data["max_num_seqs"] == 1024
+    assert r.data["kv_tokens_before"] / 1280 < 1024  # the KV cache binds
+    assert r.code == "eplb.on" and d.engine.enable_eplb, r.text
+    assert r.data["batch_cost_share"] < eplb.HOT_RANK_CUT
+    assert r.data["batch_before"] == round(r.data["kv_tokens_before"] / 1280, 2)
+
+
+def _goal(spec, hw, util, workload, pins=None):
+    return search.Goal(spec, hw, pins or Pins(vllm_version="0.32.0"),
+                       version_traits("0.32.0"), util, workload, SLO(), "balanced", None, True,
+                       False, ["auto"], [0])
+
+
+def test_eplb_auto_is_monotone_in_memory_never_narrow_and_a_pin_always_wins():
+    """Properties over models, GPU kinds and counts, layouts, batches and workloads, each at a
+    rising share of the GPU's memory: more memory never turns auto EPLB off; EP at or below
+    WIDE_EP never runs it; --eplb and --no-eplb are obeyed wherever the layout can run it."""
+    cases = flips = 0
+    causes: set[str] = set()
+    utils = [0.6 + 0.025 * i for i in range(15)]
+    for model in ("deepseek-r1", "deepseek-v2-lite"):
+        spec = load_model(model)
+        for gpus in ("8xH100", "2x8xH100", "4x8xH100", "2x8xH200", "4x8xB200", "2x8xMI300X",
+                     "8x8xH100", "2x8xA100-80GB"):
+            hw = parse_gpus(gpus)
+            for tp in (1, 2, 4, 8):
+                for pp in (1, 2):
+                    dp = hw.count // (tp * pp)
+                    if dp < 1 or tp * dp > spec.num_experts:
+                        continue
+                    for seqs, w, ctx in ((None, Workload(1024, 256), 8192),
+                                         (64, Workload(8000, 1000), 32768),
+                                         (None, Workload(200, 2000), 4096)):
+                        lay = Layout(tp=tp, pp=pp, dp=dp, expert_parallel=True)
+                        k = search.Knobs(lay, "auto", ctx, None, seqs, True)
+                        was_on = False
+                        for u in utils:
+                            j = search.memory(_goal(spec, hw, u, w), k)
+                            cases += 1
+                            on = j.eplb.enabled and j.cand.fits
+                            if tp * dp <= eplb.WIDE_EP or pp > 1:
+                                assert not j.eplb.enabled, (model, gpus, lay, u)
+                            assert not (was_on and not on), (model, gpus, lay, seqs, w, u)
+                            flips += on and not was_on
+                            was_on = was_on or on
+                            if j.eplb.reason is not None:
+                                r = j.eplb.reason
+                                assert r.text == eplb.render(r.code, r.data)
+                                causes.add(r.data["cause"])
+                        if tp * dp > eplb.WIDE_EP and pp == 1:  # the pins, at the top share
+                            for pin in (True, False):
+                                g = _goal(spec, hw, utils[-1], w, Pins(vllm_version="0.32.0",
+                                                                       eplb=pin))
+                                j = search.memory(g, k)
+                                if j.eplb.applies:
+                                    assert j.eplb.enabled is pin, (model, gpus, lay, pin)
+    assert cases > 3000 and flips > 100, (cases, flips)
+    # every branch of the rule was met: the batch's share, a misfit, narrow EP, on
+    assert {"batch", "misfit", "narrow", "pipeline", "wide_ep"} <= causes, causes
 
 
 def test_a_pin_eplb_cannot_honour_is_one_line_and_exit_2():
@@ -162,10 +262,13 @@ def test_propose_refuses_only_what_no_layout_could_run(r1):
     with pytest.raises(InputError, match="no --enable-eplb .first in 0.9.2"):
         eplb.propose(r1, hw, Layout(dp=16, expert_parallel=True), "0.9.1", True, None)
     tp_only = eplb.propose(r1, hw, Layout(tp=16), "0.32.0", True, None)
-    assert tp_only.blocked and not tp_only.enabled  # this layout is out, not the whole plan
+    assert eplb.blocked(tp_only, True) and not tp_only.enabled  # this layout is out, not all
+    assert eplb.problem(tp_only) == ("--eplb pinned, but EPLB balances expert-parallel MoE "
+                                     "layers; this layout has none (vLLM: "
+                                     "enable_expert_parallel and TP x DP > 1)")
     prefill = eplb.propose(r1, hw, Layout(dp=16, expert_parallel=True), "0.32.0", None,
                            "deepep_high_throughput")
-    assert not prefill.enabled and prefill.code == "eplb.off"
+    assert not prefill.enabled and prefill.reason.code == "eplb.off"
 
 
 def test_the_installed_vllm_reads_the_eplb_flags_the_plan_writes(r1):

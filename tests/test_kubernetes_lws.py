@@ -68,11 +68,13 @@ def test_the_pods_plan_the_decode_pool_of_a_disaggregated_deployment(emitted):
     gpus, _ = K._generator().WIDE_EP_TARGETS[FOLDER]
     assert args[args.index("--gpus") + 1] == gpus
     assert args[args.index("--disaggregate") + 1] == "on"
-    assert args[args.index("--role") + 1] == "decode" and "--eplb" in args
+    assert args[args.index("--role") + 1] == "decode" and "--eplb" not in args
     assert dep.kind == "disaggregated" and dep.role == "decode" and dep.pool.role == "decode"
     p = dep.engine.parallel
     assert p.expert_parallel and p.dp > 1 and p.nodes > 1  # DP ranks over nodes: wide EP
     assert p.tp * p.dp > 8 and dep.engine.enable_eplb  # EP16, EPLB with its redundant experts
+    r = next(r for r in dep.reasons if r.code.startswith("eplb."))  # the planner's own choice
+    assert r.code == "eplb.on" and r.data["pinned"] is False, r.text
     argv = pool_argv(dep.pool)
     assert "--enable-eplb" in argv and "--kv-transfer-config" in argv
 

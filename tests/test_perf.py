@@ -308,7 +308,10 @@ def test_calibration_is_recorded_and_plans_say_measured(tmp_path, monkeypatch):
         assert got == pytest.approx(want, rel=0.1)
     other = make_plan(spec, hw, Pins(vllm_version="0.32.0", tp=2, kv_cache_dtype="auto"))
     perf_d = other.to_dict()["performance"]
-    assert perf_d["source"] == "model" and "another layout" in perf_d["notes"][0]
+    assert perf_d["source"] == "model"
+    why = perf_d["notes"][0]  # borrowed from another layout: the note says so in its data
+    assert why["code"] == "performance.calibrated" and why["data"]["scope"] == "layout"
+    assert why["data"]["points"] == 3 and "another layout" in why["text"]
 
 
 def test_plans_carry_the_held_out_range_around_their_figures():

@@ -331,7 +331,7 @@ def pd_files() -> dict[Path, str]:
 
 # ---- wide-EP decode over LeaderWorkerSet -------------------------------------------------------
 # Each wide-EP decode kustomization: the GPUs of the whole P/D deployment its init containers
-# plan for (`--disaggregate on --role decode --eplb`), and the most decode groups its
+# plan for (`--disaggregate on --role decode`: EPLB is the planner's own at EP16), and the most decode groups its
 # ScaledObject may run. One LWS group is one replica of the plan's decode pool; tests check the
 # group's size and GPUs against the pool's nodes and GPUs per replica.
 WIDE_EP_TARGETS: dict[str, tuple[str, int]] = {
@@ -340,7 +340,7 @@ WIDE_EP_TARGETS: dict[str, tuple[str, int]] = {
 
 def wide_ep_plan_for(model: str, gpus: str, max_replicas: int) -> Any:
     """The plan each pod of a wide-EP decode overlay makes: `vlaunch plan MODEL --gpus GPUS
-    --disaggregate on --role decode --eplb --weights-from volume --max-replicas N`."""
+    --disaggregate on --role decode --weights-from volume --max-replicas N`."""
     from launcher.inputs.hardware import parse_gpus
     from launcher.inputs.model import load_model
     from launcher.predict.capacity.autoscaling import ScalingAsk
@@ -349,7 +349,7 @@ def wide_ep_plan_for(model: str, gpus: str, max_replicas: int) -> Any:
     from launcher.run.emit import pool_plan
 
     with _fresh_cache(), _model_ref(model) as ref:
-        dep = plan_deployment(load_model(ref), parse_gpus(gpus), Pins(eplb=True), mode="on",
+        dep = plan_deployment(load_model(ref), parse_gpus(gpus), Pins(), mode="on",
                               scaling=ScalingAsk(max_replicas=max_replicas),
                               load_path="volume").deployment
     return pool_plan(dep, "decode")
@@ -368,7 +368,7 @@ def wide_ep_files() -> dict[Path, str]:
         files[gen / "timing.yaml"] = timing_patch("LeaderWorkerSet", timing(model, gpus))
         files[gen / "scaledobject.yaml"] = (
             f"# For {model} on {gpus}, the decode pool: `vlaunch plan --disaggregate on --role "
-            f"decode --eplb --max-replicas {most} --weights-from volume --emit` "
+            f"decode --max-replicas {most} --weights-from volume --emit` "
             "(deploy/kubernetes/generate.py).\n"
             + scaled_objects_text(plan, kind="LeaderWorkerSet"))
     return files

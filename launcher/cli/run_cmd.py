@@ -44,7 +44,7 @@ def _serve_options(f):
     return f
 
 
-def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None, fixed=None) -> None:
+def _run_serve(spec, hw, pins, extra, opts, goals=None, fixed=None) -> None:
     import dataclasses
     import json
     from pathlib import Path
@@ -68,7 +68,7 @@ def _run_serve(spec, hw, pins, extra, opts, goals=None, plan_hook=None, fixed=No
                    metrics_bind=opts["metrics_bind"], log_dir=log_dir,
                    startup_timeout=opts["startup_timeout"], port=opts["port"],
                    stop_timeout=_stop_timeout(opts),
-                   out=out, goals=goals, plan_hook=plan_hook, host=opts["host"],
+                   out=out, goals=goals, host=opts["host"],
                    fixed=fixed)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result), indent=2, default=str))
@@ -183,12 +183,12 @@ def exec_cmd(plan_path: str, role: str | None, replan: bool, extra: tuple[str, .
                                    "node_rank": launch.node_rank}, indent=2))
         sys.exit(rc)
     if replan:
-        from ..predict.search.plan_inputs import inputs_from_plan
-        from ..run.exec_plan import goals_from_plan, live_hardware, relabel_pins
+        from ..predict.search.plan_inputs import inputs_from_plan, replan_pins
+        from ..run.exec_plan import goals_from_plan, live_hardware
 
         spec, hw, pins = inputs_from_plan(dep)
-        _run_serve(spec, live_hardware(dep, hw), pins, extra, opts, goals_from_plan(dep),
-                   plan_hook=relabel_pins(dep))
+        _run_serve(spec, live_hardware(dep, hw), replan_pins(dep, pins), extra, opts,
+                   goals_from_plan(dep))
         return
     from ..run.exec_plan import live_misfit
 

@@ -135,7 +135,7 @@ class Performance:
     binding: str
     single_request: Point
     curve: tuple[Point, ...]
-    notes: tuple[str, ...] = ()
+    notes: tuple[Reason, ...] = ()  # codes and renderers: deployment/notes.py
     asked_concurrency: int | None = None
     measured: Mapping[str, Any] | None = None  # what `vlaunch tune` measured at this point
     client: Client = "closed-loop"  # the client `at` assumes: bench-synchronised under
@@ -337,7 +337,7 @@ class Autoscaling:
     scale_down_stabilization_s: int
     startup_s: float
     basis: Mapping[str, Any] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
+    notes: tuple[Reason, ...] = ()  # codes and renderers: deployment/notes.py
 
 
 @dataclass(frozen=True)
@@ -388,7 +388,8 @@ class KVTokens:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A runner-up: the best version of another layout, with the figure it lost on."""
+    """A runner-up: the best version of another layout, with the figure it lost on (`why_not`:
+    a Reason of deployment/notes.py's RUNNER_UP_CODES, the chosen plan's figure in its data)."""
 
     label: str
     parallel: Parallel
@@ -400,7 +401,7 @@ class Alternative:
     max_num_batched_tokens: int
     performance: Performance | None
     summary: str
-    why_not: str
+    why_not: Reason
 
 
 @dataclass(frozen=True)

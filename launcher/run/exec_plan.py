@@ -5,8 +5,9 @@ when the cards were free can meet a co-tenant at start-up. vLLM would then refus
 (free < utilization x total, v1/worker/utils.py request_memory) after minutes of loading;
 `live_misfit` says so first, from the plan's per-GPU requested bytes and NVML's free bytes now.
 With --replan, exec plans again for the GPUs as they are now (`live_hardware`), for the goals
-the plan was made for (`goals_from_plan`), keeping the user's pins labelled as theirs
-(`relabel_pins`).
+the plan was made for (`goals_from_plan`), with every decision of the plan pinned and only the
+user's own labelled as theirs (predict/search/plan_inputs.py replan_pins: the planner renders
+the others "from the emitted plan" itself, so no reason's text is edited afterwards).
 
 A disaggregated plan's folder runs one pool (`plan --role R --emit DIR`: the plan's `role`);
 `check_pool_plan` refuses a whole disaggregated plan, and a pool whose peers could not reach
@@ -15,9 +16,8 @@ its KV side channel.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ..deployment.plan import Deployment
@@ -92,25 +92,6 @@ def live_hardware(dep: Deployment, planned: Hardware) -> Hardware:
     except InputError:
         return planned
     return hw if hw.kind.name == planned.kind.name and hw.count == planned.count else planned
-
-
-def relabel_pins(dep: Deployment) -> Callable[[Any], Any]:
-    """A plan hook for `exec --replan`: it re-plans with every decision of the emitted plan
-    pinned, so the planner would call values it chose itself at `vlaunch plan` time "pinned by
-    you". Only the reasons the emitted plan marked pinned (`data.pinned`) keep that label."""
-    user = {r.code for r in dep.reasons if r.data.get("pinned")}
-
-    def relabel(plan: Any) -> Any:
-        for i, r in enumerate(plan.reasons):
-            if r.data.get("pinned") and r.code not in user:
-                text = (r.text.removesuffix(" (pinned)") + " (from the emitted plan)"
-                        if r.code == "layout" else
-                        r.text.replace("pinned by you", "from the emitted plan"))
-                plan.reasons[i] = dataclasses.replace(r, text=text,
-                                                      data={**r.data, "pinned": False})
-        return plan
-
-    return relabel
 
 
 def goals_from_plan(dep: Deployment) -> dict[str, Any] | None:

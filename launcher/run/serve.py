@@ -223,7 +223,6 @@ def serve(spec: ModelSpec | None, hw: Hardware | None, pins: Pins, extra: list[s
           startup_timeout: float | None = None, port: int | None = None,
           stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
           out: Callable[[str], None] = print,
-          plan_hook: Callable[[Plan], Plan] | None = None,
           host: str | None = None, fixed: Deployment | None = None) -> ServeResult:
     """Run the whole loop; returns when vLLM exits (or start-up finally failed, or a signal
     stopped it: exit code 128 + the signal, no restart, nothing learnt). With `fixed` (exec of
@@ -232,7 +231,7 @@ def serve(spec: ModelSpec | None, hw: Hardware | None, pins: Pins, extra: list[s
                       verbose=verbose, dry_run=dry_run, metrics_port=metrics_port,
                       metrics_bind=metrics_bind, log_dir=log_dir, goals=goals or {},
                       startup_timeout=startup_timeout, port=port, stop_timeout=stop_timeout,
-                      out=out, plan_hook=plan_hook, host=host, fixed=fixed)
+                      out=out, host=host, fixed=fixed)
     return loop.run()
 
 
@@ -257,7 +256,6 @@ class _ServeLoop:
     port: int | None
     stop_timeout: float
     out: Callable[[str], None]
-    plan_hook: Callable[[Plan], Plan] | None
     host: str | None = None  # vLLM's --host; None: loopback (exposure.with_host)
     fixed: Deployment | None = None  # exec: the emitted plan, run as it is, never re-planned
     result: ServeResult = field(default_factory=lambda: ServeResult(exit_code=1))
@@ -320,8 +318,6 @@ class _ServeLoop:
             dep = self.fixed
         else:
             plan = make_plan(self.spec, self.hw, self.pins, **self.goals)
-            if self.plan_hook:
-                plan = self.plan_hook(plan)
             dep = plan.deployment()
         d = dump(dep)
         self.result.plan = d

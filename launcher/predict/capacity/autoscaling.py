@@ -36,7 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...deployment.plan import Autoscaling, Startup
+from ...deployment.notes import note
+from ...deployment.plan import Autoscaling, Reason, Startup
 from ...errors import InputError
 
 HPA_MAX_WINDOW_S = 3600
@@ -116,14 +117,14 @@ class Knee:
         return self.requests_per_s * input_len
 
 
-def bounds(ask: ScalingAsk, knee: Knee) -> tuple[int, int, str]:
-    """(min, max, why) of the pool's replicas."""
+def bounds(ask: ScalingAsk, knee: Knee) -> tuple[int, int, Reason]:
+    """(min, max, why) of the pool's replicas; `why` a note (deployment/notes.py)."""
     ask.validate()
     lo = ask.min_replicas or 1
     if ask.users is None and ask.rps is None:
         hi = ask.max_replicas or lo
-        why = ("--max-replicas" if ask.max_replicas else
-               "no --max-replicas, --users or --rps: the pool stays at its minimum")
+        why = (note("replicas.max_replicas", min_replicas=lo, max_replicas=hi)
+               if ask.max_replicas else note("replicas.at_minimum", min_replicas=lo))
         return lo, hi, why
     load, per, what = ((ask.users, knee.concurrency, "users") if ask.users is not None
                        else (ask.rps, knee.open_loop_requests_per_s, "requests/s"))
@@ -140,8 +141,8 @@ def bounds(ask: ScalingAsk, knee: Knee) -> tuple[int, int, str]:
     if lo > hi:
         raise InputError(f"--min-replicas {lo} is above the {hi} replicas {load:g} {what} "
                          "need; lower it or give --max-replicas")
-    return lo, hi, f"{load:g} {what} at {per:,.2f} per replica (+{ask.headroom:.0%} headroom, " \
-                   f"{ask.spare} spare): {need}"
+    return lo, hi, note("replicas.for_load", load=load, unit=what, per_replica=round(per, 2),
+                        headroom=ask.headroom, spare=ask.spare, replicas=need)
 
 
 def derive(knee: Knee, *, ttft_slo_ms: float, single_ttft_ms: float, dp: int,
@@ -160,7 +161,7 @@ def derive(knee: Knee, *, ttft_slo_ms: float, single_ttft_ms: float, dp: int,
     kv = min(1.0, per_engine * held / kv_tokens_per_engine) if kv_tokens_per_engine else 1.0
     backlog = (round(max(0.0, ttft_slo_ms - single_ttft_ms) / 1e3, 3)
                if role == "prefill" else None)
-    notes = [f"replicas: {why}"]
+    notes = [why]
     up, down = _windows(startup, notes)
     basis = {"knee_concurrency": round(knee.concurrency, 2),
              "knee_ttft_ms": round(knee.ttft_ms, 1), "ttft_slo_ms": ttft_slo_ms,
@@ -176,7 +177,7 @@ def derive(knee: Knee, *, ttft_slo_ms: float, single_ttft_ms: float, dp: int,
 
 def _targets(role: str, running: int, waiting: int, kv: float, backlog: float | None,
              replicas: tuple[int, int], windows: tuple[int, int], startup: Any,
-             basis: dict[str, Any], notes: list[str]) -> Autoscaling:
+             basis: dict[str, Any], notes: list[Reason]) -> Autoscaling:
     """The plan's own `deployment.plan.Autoscaling` (one declaration of the shape): the KV
     threshold up to whole percent, the start-up at 0.1 s as the plan prints it."""
     return Autoscaling(role=role, target_running_per_replica=running,
@@ -203,24 +204,25 @@ def desired_replicas(a: Any, load: Mapping[str, float]) -> int:
     return max(math.ceil(load[k] / t - 1e-9) for k, t in trigger_thresholds(a).items())
 
 
-def _windows(startup: Startup, notes: list[str]) -> tuple[int, int]:
+def _windows(startup: Startup, notes: list[Reason]) -> tuple[int, int]:
     up = math.ceil(startup.seconds - 1e-9)  # never shorter than the start-up
     down = max(up, HPA_SCALE_DOWN_DEFAULT_S)
     if down > HPA_MAX_WINDOW_S:
-        notes.append(f"start-up {startup.seconds:,.0f} s is longer than the {HPA_MAX_WINDOW_S} s "
-                     "stabilization window the HPA accepts: windows capped there")
+        notes.append(note("windows.capped", startup_s=round(startup.seconds, 1),
+                          max_window_s=HPA_MAX_WINDOW_S))
     return min(up, HPA_MAX_WINDOW_S), min(down, HPA_MAX_WINDOW_S)
 
 
-def _pool_bounds(ask: ScalingAsk, knee: Knee, planned: int) -> tuple[int, int, str]:
+def _pool_bounds(ask: ScalingAsk, knee: Knee, planned: int) -> tuple[int, int, Reason]:
     """`bounds`, with the pool's rate-matched replicas as its floor when no --min-replicas is
     given (never above the most the load or --max-replicas allow)."""
     lo, hi, why = bounds(ask, knee)
     if ask.min_replicas is None:
         if ask.max_replicas is None and ask.users is None and ask.rps is None:
-            return planned, planned, ("no --max-replicas, --users or --rps: the pool stays at "
-                                      f"its rate-matched {planned}")
+            return planned, planned, note("replicas.rate_matched", replicas=planned)
         lo = min(planned, hi)
+        if why.code == "replicas.max_replicas":  # the floor moved: say the bounds it has
+            why = note("replicas.max_replicas", min_replicas=lo, max_replicas=hi)
     return lo, hi, why
 
 
@@ -255,7 +257,7 @@ def prefill_scaling(*, replicas: int, dp: int, requests_per_s: float, prompt_s: 
         if kv_tokens_per_engine else 1.0
     knee = Knee(rate * time_in_system_s, rate, 0.0, fixed_s * 1e3, rate)
     lo, hi, why = _pool_bounds(ask, knee, replicas)
-    notes = [f"replicas: {why}"]
+    notes = [why]
     up, down = _windows(startup, notes)
     basis = {"requests_per_s": round(requests_per_s, 3), "prompt_s": round(prompt_s, 4),
              "fixed_ttft_s": round(fixed_s, 4), "ttft_slo_ms": ttft_slo_ms,
@@ -293,7 +295,7 @@ def decode_scaling(*, replicas: int, dp: int, requests_per_s: float,
     waiting = max(1, math.floor(spare_s * rate + 1e-9))
     knee = Knee(rate * time_in_system_s, rate, rate * output_len, ttft_ms, rate)
     lo, hi, why = _pool_bounds(ask, knee, replicas)
-    notes = [f"replicas: {why}"]
+    notes = [why]
     up, down = _windows(startup, notes)
     basis = {"requests_per_s": round(requests_per_s, 3),
              "running_per_engine_at_knee": round(running_per_engine, 2), "dp": dp,

@@ -36,6 +36,7 @@ from ...deployment.plan import EPBackend, Reason
 from ...errors import InputError
 from ...inputs import vllm_flags
 from ...inputs.hardware import GiB, MiB
+from ..search.pins import origin_data, said
 from .serving_flags import at_least, table
 
 ENV_VAR = "VLLM_ALL2ALL_BACKEND"
@@ -134,8 +135,9 @@ def _usable(name: str, version: str) -> tuple[bool, str]:
 
 
 def choose(spec: Any, hw: Any, layout: Any, objective: str, workload: Any, version: str,
-           pinned: str | None = None) -> EPBackend:
-    """The backend for this layout, objective and workload, or why none applies."""
+           pinned: str | None = None, from_plan: bool = False) -> EPBackend:
+    """The backend for this layout, objective and workload, or why none applies (`from_plan`:
+    the pin came from the emitted plan under `exec --replan`, not from the user)."""
     if not (spec.is_moe and layout.expert_parallel and layout.dp > 1):
         return NOT_APPLICABLE if not spec.is_moe else replace(NOT_APPLICABLE, reason=Reason(
             "all2all.inside_tp", "no all-to-all backend: experts are reached inside the TP "
@@ -157,7 +159,7 @@ def choose(spec: Any, hw: Any, layout: Any, objective: str, workload: Any, versi
         ok, why = _usable(pinned, version)
         if not ok:
             raise InputError(f"--all2all-backend {pinned}: {why}")
-        want, why_want = pinned, "pinned by you"
+        want, why_want = pinned, said("plan" if from_plan else "you")
     elif not c.cross_node:
         want, why_want = default, f"EP {where}: vLLM's default collectives ride NVLink"
     elif objective == "throughput" and ratio >= float(t["prefill_heavy_ratio"]):
@@ -167,7 +169,8 @@ def choose(spec: Any, hw: Any, layout: Any, objective: str, workload: Any, versi
     else:
         want = "deepep_low_latency"
         why_want = f"EP {where}, objective {objective}: decode steps dominate"
-    data: dict[str, Any] = {"backend": want, "pinned": c.pinned, "cross_node": c.cross_node,
+    who = origin_data(None if pinned is None else "plan" if from_plan else "you")
+    data: dict[str, Any] = {"backend": want, **who, "cross_node": c.cross_node,
                             "nodes": layout.nodes, "objective": objective,
                             "vllm_default": default}
     row = t["backends"][want]

@@ -15,10 +15,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ...deployment.plan import EPLB, EPBackend, Reason, Serving, Speculative
+from ...deployment.plan import EPBackend, Reason, Serving, Speculative
 from ...errors import InputError
-from ...inputs.hardware import GiB
 from ..search import rank, search
+from ..search.pins import Origin, origin_data, said
 from ..speed import request_model as perf
 from . import ep_backend, eplb, serving_flags, speculative
 
@@ -33,6 +33,7 @@ class DraftChoices:
     pinned_on: bool = False
     pinned_off: bool = False
     unsupported: Reason | None = None  # why no draft is possible here
+    origin: Origin | None = None  # who pinned MTP (the user, or the emitted plan under --replan)
 
 
 def draft_choices(spec: Any, hw: Any, pins: Any, version: str) -> DraftChoices:
@@ -45,14 +46,18 @@ def draft_choices(spec: Any, hw: Any, pins: Any, version: str) -> DraftChoices:
         raise InputError("--no-mtp and --num-speculative-tokens contradict each other; "
                          "drop one")
     pinned_on = want is True or k_pin is not None
+    names = [n for n, v in (("speculative", want), ("num_speculative_tokens", k_pin))
+             if v is not None]
+    origin: Origin | None = None if not names else (
+        "plan" if names[0] in getattr(pins, "from_plan", frozenset()) else "you")
     ok, why, method = speculative.support(spec, hw, version)
     if not ok:
-        return DraftChoices([0], pinned_on=pinned_on, unsupported=why)
+        return DraftChoices([0], pinned_on=pinned_on, unsupported=why, origin=origin)
     if want is False:
-        return DraftChoices([0], method=method, pinned_off=True)
+        return DraftChoices([0], method=method, pinned_off=True, origin=origin)
     acc = speculative.acceptance(getattr(pins, "mtp_acceptance", None), spec.name)
     ks = [k_pin] if k_pin else [int(x) for x in speculative.mtp_table()["candidates"]]
-    return DraftChoices(ks if pinned_on else [0, *ks], acc, method, pinned_on)
+    return DraftChoices(ks if pinned_on else [0, *ks], acc, method, pinned_on, origin=origin)
 
 
 def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Serving:
@@ -61,7 +66,8 @@ def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoice
     flags = serving_flags.decide(plan.model, plan.vllm_version,
                                  getattr(pins, "reasoning_parser", None),
                                  getattr(pins, "tool_call_parser", None),
-                                 getattr(pins, "chat_template", None))
+                                 getattr(pins, "chat_template", None),
+                                 getattr(pins, "from_plan", frozenset()))
     plan.reasons.extend(flags.parsers.reasons)
     plan.warnings.extend(flags.warnings)
     ep = ep_backend.NOT_APPLICABLE
@@ -69,20 +75,13 @@ def apply(plan: Any, pins: Any, goal: Any, res: Any, best: Any, mtp: DraftChoice
         ep = _chosen_ep(best)
         if ep.reason is not None:
             plan.reasons.append(ep.reason)
-    lb = dataclasses.replace(best.eplb) if best.fits else eplb.Decision()
-    if (r := lb.reason()) is not None:
-        plan.reasons.append(r)
+    lb = best.eplb if best.fits else eplb.NONE
+    if lb.reason is not None:
+        plan.reasons.append(lb.reason)
     spec = decision(plan, goal, res, best, mtp)
     plan.reasons.append(spec.reason)
     return Serving(speculative=spec, parsers=flags.parsers, ep_backend=ep,
-                   eplb=_plan_eplb(lb, r))
-
-
-def _plan_eplb(d: eplb.Decision, reason: Reason | None) -> EPLB:
-    """EPLB's decision as the plan carries it (the same Reason the plan's reasons hold)."""
-    return EPLB(applies=d.applies, enabled=d.enabled, pinned=d.pinned, ep_size=d.ep_size,
-                num_redundant_experts=d.num_redundant_experts, slots_per_rank=d.slots_per_rank,
-                bytes_per_gpu=d.bytes_per_gpu, reason=reason)
+                   eplb=lb)
 
 
 def _chosen_ep(best: Any) -> EPBackend:
@@ -100,16 +99,13 @@ def _chosen_ep(best: Any) -> EPBackend:
                 f"default {ep.vllm_default} instead",
                 {**r.data, "wanted": ep.backend, "backend": ep.vllm_default, "buffer_bytes": 0,
                  "cause": r.code}))
-    if ep.buffer_bytes_per_gpu:
-        return dataclasses.replace(ep, reason=dataclasses.replace(
-            r, text=f"{r.text} ({ep.buffer_bytes_per_gpu / GiB:.2f} GiB of buffers per GPU, "
-            "taken from the KV cache)"))
-    return ep
+    return ep  # its reason already says what its buffers take from the KV cache
 
 
 def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Speculative:
     """MTP as the search decided it, with the figures that decided it."""
     pinned = mtp.pinned_on or mtp.pinned_off
+    who = origin_data(mtp.origin)  # the reasons' `pinned` is the user's (`from_plan`: the plan's)
     off = functools.partial(speculative.decided, enabled=False, k=0, method=mtp.method,
                             pinned=pinned, acceptance=mtp.acceptance, cost=None)
     if mtp.unsupported is not None:
@@ -118,14 +114,16 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Sp
             plan.warnings.append(Reason("mtp.unsupported", "MTP was asked for but is not "
                                         f"possible: {u.text}", {**u.data, "cause": u.code}))
         return off(reason=Reason("mtp.off.unsupported", f"MTP off: {u.text}",
-                                 {**u.data, "cause": u.code, "pinned": pinned}))
+                                 {**u.data, "cause": u.code, **who}))
     if mtp.pinned_off:
-        return off(reason=Reason("mtp.off.pinned", "MTP off: pinned by you (--no-mtp)",
-                                 {"pinned": True}))
+        assert mtp.origin is not None
+        return off(reason=Reason("mtp.off.pinned", f"MTP off: {said(mtp.origin)} (--no-mtp)",
+                                 who))
     if not best.fits:
         r = Reason("mtp.off.no_fit", "MTP off: no candidate fits" if not mtp.pinned_on else
-                   "MTP off: no candidate with the draft fits (pinned on by you)",
-                   {"pinned": pinned})
+                   "MTP off: no candidate with the draft fits ("
+                   + ("pinned on by you" if mtp.origin == "you" else
+                      f"on {said('plan')}") + ")", who)
         if mtp.pinned_on:
             plan.warnings.append(dataclasses.replace(r, code="mtp.no_fit"))
         return off(reason=r)
@@ -154,10 +152,10 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Sp
         if best.perf is None:
             return off(reason=Reason(
                 "mtp.off.no_prediction", "MTP off: no performance prediction on this hardware "
-                "to show a gain; pin --mtp to use it", {"pinned": pinned}))
+                "to show a gain; pin --mtp to use it", who))
         if on is None or on.perf is None:
             return off(reason=Reason("mtp.off.no_context", "MTP off: no candidate with the "
-                                     "draft holds the context", {"pinned": pinned}))
+                                     "draft holds the context", who))
         search.finish(goal, on)
         gain = _gain(goal, on.perf, best.perf)
         margin = float(speculative.mtp_table()["margin"])
@@ -169,17 +167,18 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Sp
             f"{rank.headline(on.perf, goal.objective)} vs "
             f"{rank.headline(best.perf, goal.objective)} without ({gain:+.0%}); under the "
             f"{margin:.0%} margin ({what})",
-            {"pinned": pinned, "draft_tokens": on.knobs.draft,
+            {**who, "draft_tokens": on.knobs.draft,
              "layout": on.cand.label(), "gain": round(gain, 4), "margin": margin,
              "objective": goal.objective}))
     acc = mtp.acceptance
-    data: dict[str, Any] = {"pinned": pinned, "num_speculative_tokens": k,
+    data: dict[str, Any] = {**who, "num_speculative_tokens": k,
                             "tokens_per_step": round(acc.tokens_per_step(k), 3),
                             "acceptance_first": acc.first, "acceptance_later": acc.later,
                             "objective": goal.objective}
-    head = (f"MTP on ({'pinned by you' if mtp.pinned_on else f'objective {goal.objective}'}): "
-            f"{k} draft token(s), {acc.tokens_per_step(k):.2f} tokens per step at acceptance "
+    lead = f"MTP on ({said(mtp.origin) if mtp.origin else f'objective {goal.objective}'})"
+    what = (f"{k} draft token(s), {acc.tokens_per_step(k):.2f} tokens per step at acceptance "
             f"{acc.first:.2f}/{acc.later:.2f}; cost {speculative.describe_cost(best.mtp)}")
+    head = f"{lead}: {what}"
     on_ = functools.partial(speculative.decided, enabled=True, k=k, method=mtp.method,
                             pinned=pinned, acceptance=acc, cost=best.mtp,
                             options=tuple(options))
@@ -199,7 +198,7 @@ def decision(plan: Any, goal: Any, res: Any, best: Any, mtp: DraftChoices) -> Sp
         equal_load = {"concurrency": on_d["concurrency"], "with": on_d, "without": off_d,
                       "speedup": round(speedup, 3)}
         data["equal_load_speedup"] = round(speedup, 3)
-        parts[0] = head.replace(": ", f": {speedup:.2f}x faster tokens at equal load, ", 1)
+        parts[0] = f"{lead}: {speedup:.2f}x faster tokens at equal load, {what}"
         parts.append(f"at equal load ({n:,.0f} in flight, same flags without the draft): "
                      f"TPOT {on_d['tpot_ms']:.1f} vs {off_d['tpot_ms']:.1f} ms, "
                      f"{on_d['output_tokens_per_s']:,.0f} vs {off_d['output_tokens_per_s']:,.0f} "

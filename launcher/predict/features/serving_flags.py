@@ -25,6 +25,7 @@ from ...errors import InputError
 from ...inputs import vllm_flags
 from ...inputs.model import ModelSpec
 from ...paths import profiles_dir, read_yaml
+from ..search.pins import Origin, origin_data, said
 from .capabilities import parse_version
 
 NONE = "none"
@@ -106,14 +107,19 @@ def _override(value: str | None, pinned: str | None) -> tuple[str | None, bool]:
 
 
 def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
-           tool_call_parser: str | None = None, chat_template: str | None = None
-           ) -> ServingFlags:
+           tool_call_parser: str | None = None, chat_template: str | None = None,
+           from_plan: frozenset[str] = frozenset()) -> ServingFlags:
     """The parsers, tool choice, chat template and tokenizer mode for `spec` on `version`.
 
     A pinned value wins over the profile (`none` drops it); anything the version lacks is left
     out with the reason, so a plan never passes vLLM a flag value it rejects at start-up. Each
-    reason and warning is data: a code, its figures, and the sentence they make.
+    reason and warning is data: a code, its figures, and the sentence they make; a pin named in
+    `from_plan` came from the emitted plan (`exec --replan`), not from the user.
     """
+
+    def origin(name: str, pinned: bool) -> Origin | None:
+        return ("plan" if name in from_plan else "you") if pinned else None
+
     for flag, value in ((vllm_flags.flag("reasoning_parser"), reasoning_parser),
                         (vllm_flags.flag("tool_call_parser"), tool_call_parser),
                         (vllm_flags.flag("chat_template"), chat_template)):
@@ -140,11 +146,11 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
             enable_flag = needs_enable_reasoning(version)
             reasons.append(Reason(
                 "parsers.reasoning", f"reasoning-parser {reasoning}: "
-                + ("pinned by you" if r_pinned else why)
+                + (said(o) if (o := origin("reasoning_parser", r_pinned)) else why)
                 + "; clients get the thinking in reasoning_content"
                 + (" (with --enable-reasoning, which this vLLM still needs)"
                    if enable_flag else ""),
-                {"parser": reasoning, "pinned": r_pinned, "enable_reasoning": enable_flag}))
+                {"parser": reasoning, **origin_data(o), "enable_reasoning": enable_flag}))
         else:
             warnings.append(Reason("parsers.reasoning_missing", f"no --reasoning-parser: "
                                    f"{_lack(lack)}; the reasoning stays inside the answer text",
@@ -155,9 +161,9 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
             kept["tool_call_parser"] = tool
             reasons.append(Reason(
                 "parsers.tools", f"tool-call-parser {tool} with --enable-auto-tool-choice: "
-                + ("pinned by you" if tool_pinned else why)
+                + (said(o) if (o := origin("tool_call_parser", tool_pinned)) else why)
                 + "; tool calls arrive as OpenAI tool_calls",
-                {"parser": tool, "pinned": tool_pinned}))
+                {"parser": tool, **origin_data(o)}))
         else:
             warnings.append(Reason("parsers.tools_missing", f"no --tool-call-parser: "
                                    f"{_lack(lack)}; tool calls would arrive as text", lack))
@@ -171,8 +177,9 @@ def decide(spec: ModelSpec, version: str, reasoning_parser: str | None = None,
             {"template": row.get("template"), "parser": row.get("tool_call_parser"),
              "pinned": False}))
     if template:
-        reasons.append(Reason("parsers.chat_template", f"chat-template {template}: pinned by "
-                              "you", {"path": template, "pinned": True}))
+        o = origin("chat_template", True)
+        reasons.append(Reason("parsers.chat_template", f"chat-template {template}: {said(o)}",
+                              {"path": template, **origin_data(o)}))
     if mode and (tool or reasoning):
         lack = _gate("tokenizer_mode", mode, version)
         if lack is None:

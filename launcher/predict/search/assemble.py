@@ -107,7 +107,7 @@ def _alternative(plan: Any, c: Any) -> D.Alternative:
         num_speculative_tokens=plan.drafts.get(id(c), 0), max_num_seqs=c.max_num_seqs,
         max_num_batched_tokens=c.max_num_batched_tokens,
         performance=_performance(plan, a) if a else None, summary=c.summary(),
-        why_not=c.problem if not c.fits else plan.why_not.get(id(c), ""))
+        why_not=plan.why_not[id(c)])  # rank.lost_on, for every runner-up the plan keeps
 
 
 def deployment(plan: Any) -> D.Deployment:

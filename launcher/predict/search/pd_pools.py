@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...deployment import plan as D
+from ...deployment.notes import note
 from ...errors import InputError
 from ...inputs.hardware import Hardware
 from ...inputs.model import ModelSpec
@@ -245,7 +246,8 @@ def _point(o: Option, w: Workload, units: int = 1) -> D.Point:
                    round(units * o.output_tokens_per_s, 2), round(rate, 4))
 
 
-def _perf(at: D.Point, single: D.Point, binding: str, notes: tuple[str, ...]) -> D.Performance:
+def _perf(at: D.Point, single: D.Point, binding: str, notes: tuple[D.Reason, ...]
+          ) -> D.Performance:
     return D.Performance(source="model", at=at, knee=at, range=None, binding=binding,
                          single_request=single, curve=(at,), notes=notes)
 
@@ -334,15 +336,14 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
             at = D.Point(round(rate * p1.prompt_s, 2), 0.0, round(p1.prompt_s * 1e3, 2), 0.0,
                          round(rate, 4))
             perf = _perf(at, D.Point(1.0, 0.0, round(p1.prompt_s * 1e3, 2), 0.0, 0.0),
-                         "prefill", ("prompts/s of the pool, de-rated by "
-                                     f"{disagg.PREFILL_DERATE}; TTFT's prefill term",))
+                         "prefill", (note("pool.prefill_rate", derate=disagg.PREFILL_DERATE),))
         else:
             rate = n * d1.requests_per_s * disagg.DECODE_DERATE
             at = D.Point(round(n * d1.running * dec_s.dp, 2), round(d1.tpot_ms, 3),
                          round((sp.transfer.seconds + d1.first_step_s) * 1e3, 2),
                          round(rate * w.output_len, 2), round(rate, 4))
-            perf = _perf(at, single, "decode", ("requests/s of the pool at the TPOT SLO, "
-                                                f"de-rated by {disagg.DECODE_DERATE}",))
+            perf = _perf(at, single, "decode",
+                         (note("pool.decode_rate", derate=disagg.DECODE_DERATE),))
         engine = pool.engine
         if role == "decode" and base.objective != "throughput":  # hold the TPOT SLO
             engine = dataclasses.replace(engine, max_num_seqs=max(1, math.floor(d1.running)))
@@ -355,12 +356,13 @@ def disaggregated_deployment(o: Option, base: D.Deployment, w: Workload, slo: SL
                  "tpot_ms": round(d1.tpot_ms, 3), "slo_tpot_ms": slo.tpot_ms})
         pools.append(dataclasses.replace(pool, role=role, replicas=n, env={**pool.env, **env},
                                          engine=engine, performance=perf, transfer=xfer))
-    notes = (f"rate-matched {sp.prefill_replicas}P{sp.decode_replicas}D"
-             + (f", {units} units of it" if units > 1 else "") + ": "
-             f"{sp.bound} binds; the KV hand-off moves {sp.transfer.bytes_per_gpu / 1e6:,.1f} "
-             f"MB per GPU over {sp.transfer.path} in {sp.transfer.seconds * 1e3:.2f} ms",) + (
-        (f"{o.connector}'s handshake, ~{sp.transfer.handshake_s:.0f} s per prefill-decode "
-         "pair on the first request, is not in TTFT",) if sp.transfer.handshake_s else ())
+    xfer = sp.transfer
+    notes = (note("disaggregated.rate_matched", prefill_replicas=sp.prefill_replicas,
+                  decode_replicas=sp.decode_replicas, units=units, bound=sp.bound,
+                  bytes_per_gpu=round(xfer.bytes_per_gpu), path=xfer.path,
+                  transfer_ms=round(xfer.seconds * 1e3, 2)),) + (
+        (note("disaggregated.handshake", connector=o.connector,
+              handshake_s=xfer.handshake_s),) if xfer.handshake_s else ())
     perf = _perf(_point(o, w, units), single, f"rate_matched:{sp.bound}", notes)
     pools = [dataclasses.replace(p, autoscaling=_pool_autoscaling(p, p1, d1, sp, w, slo, perf,
                                                                   scaling)) for p in pools]

@@ -6,10 +6,28 @@ that plans (serve, tune, capacity, the doctor) builds one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from ...errors import InputError
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+Origin = Literal["you", "plan"]
+"""Who fixed a pinned value: the user on the command line, or the emitted plan `exec --replan`
+plans again from (every decision of it pinned; only the user's own keep "pinned by you")."""
+
+_SAID = {"you": "pinned by you", "plan": "from the emitted plan"}
+
+
+def said(origin: Origin) -> str:
+    """A pin's origin in words: the one phrase every pinned reason's text uses."""
+    return _SAID[origin]
+
+
+def origin_data(origin: Origin | None) -> dict[str, Any]:
+    """A pin's origin as reason data: `pinned` (the user's; what a program tests) and
+    `from_plan` (the emitted plan's, under `exec --replan`)."""
+    return {"pinned": origin == "you", **({"from_plan": True} if origin == "plan" else {})}
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,16 @@ class Pins:
     chat_template: str | None = None
     all2all_backend: str | None = None
     eplb: bool | None = None  # --eplb/--no-eplb (predict/features/eplb.py); None: the planner's
+    from_plan: frozenset[str] = frozenset()
+    """The fields above that `exec --replan` took from the emitted plan, not from the user
+    (run/exec_plan.py replan_pins): their reasons say "from the emitted plan"."""
+
+    def origin(self, *names: str) -> Origin | None:
+        """Who fixed the first of `names` that is set (None: none is, the planner decides)."""
+        for n in names:
+            if getattr(self, n) is not None:
+                return "plan" if n in self.from_plan else "you"
+        return None
 
     def validate(self) -> None:
         for name in ("tp", "pp", "dp", "max_num_seqs", "max_num_batched_tokens"):

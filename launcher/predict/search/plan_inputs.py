@@ -9,7 +9,7 @@ typed Deployment (launcher/deployment), never from the JSON.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from ...deployment.plan import Deployment, Serving
@@ -71,3 +71,37 @@ def inputs_from_plan(dep: Deployment) -> tuple[ModelSpec, Hardware, Pins]:
                 enforce_eager=e.enforce_eager, vllm_version=dep.vllm_version,
                 **serving_pins(pool.serving))
     return spec, hw, pins
+
+
+PINNED_BY = {
+    "layout": ("tp", "pp", "dp", "expert_parallel"),
+    "vllm.version": ("vllm_version",),
+    "gpu_memory_utilization.pinned": ("gpu_memory_utilization",),
+    "kv_cache_dtype.pinned": ("kv_cache_dtype",),
+    "max_model_len.pinned": ("max_model_len",),
+    "parsers.reasoning": ("reasoning_parser",),
+    "parsers.tools": ("tool_call_parser",),
+    "parsers.chat_template": ("chat_template",),
+    "mtp": ("speculative", "num_speculative_tokens", "mtp_acceptance"),
+    "all2all": ("all2all_backend",),
+    "eplb": ("eplb",),
+}
+"""The pins behind each reason that can say "pinned by you" (by code, else by code family): a
+reason the emitted plan marked `data.pinned` names the pins that were the user's."""
+
+
+def user_pins(dep: Deployment) -> frozenset[str]:
+    """The Pins fields the user fixed when `dep` was planned, read from its reasons' data."""
+    out: set[str] = set()
+    for r in dep.reasons:
+        if r.data.get("pinned"):
+            out.update(PINNED_BY.get(r.code) or PINNED_BY.get(r.code.split(".")[0], ()))
+    return frozenset(out)
+
+
+def replan_pins(dep: Deployment, pins: Pins) -> Pins:
+    """`pins` (every decision of `dep`, from `inputs_from_plan`) with each pin the user did not
+    give marked as the emitted plan's: the planner then says "from the emitted plan" where it
+    would say "pinned by you", in the same sentence it always renders (`exec --replan`)."""
+    every = frozenset(f.name for f in fields(Pins)) - {"from_plan"}
+    return replace(pins, from_plan=every - user_pins(dep))

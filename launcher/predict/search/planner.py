@@ -46,7 +46,7 @@ from ..memory.candidate_memory import (  # noqa: F401 - the planner's public nam
 from ..speed.speed_decisions import FP8_MARGIN
 from . import rank, search
 from .alternatives import suggestions
-from .pins import KV_DTYPES, Pins  # noqa: F401 - the planner's public names, kept for its callers
+from .pins import KV_DTYPES, Pins, origin_data, said  # noqa: F401 - the planner's public names, kept for its callers
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Plan:
     objective: str = "balanced"
     workload: Workload | None = None
     slo: SLO | None = None
-    why_not: dict[int, str] = field(default_factory=dict)  # id(runner-up) -> the figure it lost on
+    why_not: dict[int, Reason] = field(default_factory=dict)  # id(runner-up) -> what it lost on
     drafts: dict[int, int] = field(default_factory=dict)  # id(runner-up) -> its MTP draft tokens
     serving: Any = None  # deployment.plan.Serving: MTP, parsers, all-to-all backend
     concurrency: int | None = None  # the operating point the user asked for (--concurrency)
@@ -134,11 +134,12 @@ def _version_notes(spec: ModelSpec, pins: Pins, traits: VersionTraits, reasons: 
             f"vLLM {traits.version} is newer than the newest release vlaunch models "
             f"({newest}): planned with {newest}'s accounting",
             {"version": traits.version, "newest": newest}))
-    if pins.vllm_version:
+    if (o := pins.origin("vllm_version")) is not None:
         reasons.append(Reason(
             "vllm.version",
-            f"vLLM {traits.version}: as given by --vllm-version",
-            {"version": traits.version, "from": "pin", "pinned": True}))
+            f"vLLM {traits.version}: "
+            + ("as given by --vllm-version" if o == "you" else said(o)),
+            {"version": traits.version, "from": "pin", **origin_data(o)}))
     elif installed_vllm():
         reasons.append(Reason(
             "vllm.version",
@@ -165,12 +166,12 @@ def _utilization(hw: Hardware, pins: Pins, traits: VersionTraits,
     if hw.is_cpu:
         return CPU_MEMORY_FRACTION
     ceiling = math.floor(max(0, hw.free_bytes - CUDA_CONTEXT_BYTES) / hw.budget_total * 100) / 100
-    if pins.gpu_memory_utilization is not None:
+    if (o := pins.origin("gpu_memory_utilization")) is not None:
         u = pins.gpu_memory_utilization
         reasons.append(Reason(
             "gpu_memory_utilization.pinned",
-            f"gpu-memory-utilization {u:.2f}: pinned by you",
-            {"value": u, "pinned": True}))
+            f"gpu-memory-utilization {u:.2f}: {said(o)}",
+            {"value": u, **origin_data(o)}))
         if hw.source in ("nvml", "amdsmi") and u > ceiling:
             warnings.append(Reason(
                 "gpu_memory_utilization.over_free",
@@ -203,11 +204,11 @@ def _kv_choices(spec: ModelSpec, hw: Hardware, pins: Pins, version: str,
                 reasons: list[Reason], warnings: list[Reason]) -> tuple[list[str], str]:
     """KV dtypes worth evaluating, and why fp8 is or is not among them."""
     supported, why = fp8_kv_support(hw, spec.attention, version)
-    if pins.kv_cache_dtype:
+    if pins.kv_cache_dtype and (o := pins.origin("kv_cache_dtype")) is not None:
         reasons.append(Reason(
             "kv_cache_dtype.pinned",
-            f"kv-cache-dtype {pins.kv_cache_dtype}: pinned by you",
-            {"value": pins.kv_cache_dtype, "pinned": True}))
+            f"kv-cache-dtype {pins.kv_cache_dtype}: {said(o)}",
+            {"value": pins.kv_cache_dtype, **origin_data(o)}))
         if pins.kv_cache_dtype.startswith("fp8") and not supported:
             warnings.append(Reason(
                 "kv_cache_dtype.fp8_unsupported",
@@ -525,7 +526,7 @@ def _explain_speed(plan: Plan) -> None:
         "performance.predicted",
         f"predicted ({a.source}): {rank.figure(a, plan.objective)}; binding: {a.binding}",
         {"source": a.source, "binding": a.binding}))
-    r.extend(Reason("performance.note", n) for n in a.notes)
+    r.extend(a.notes)  # the same Reasons as performance.notes (deployment/notes.py)
 
 
 
@@ -561,19 +562,20 @@ def _explain(plan: Plan, pins: Pins) -> None:
     c, spec = plan.chosen, plan.model
     r = plan.reasons
     if c.fits:
+        o = pins.origin("tp", "pp", "dp") if pins.tp or pins.pp or pins.dp else None
         r.insert(0, Reason(
             "layout",
             f"layout {c.label()}: {c.summary().split(': ', 1)[1]}"
-            + (" (pinned)" if pins.tp or pins.pp or pins.dp else ""),
-            {"label": c.label(), "pinned": bool(pins.tp or pins.pp or pins.dp)}))
+            + {"you": " (pinned)", "plan": f" ({said('plan')})", None: ""}[o],
+            {"label": c.label(), **origin_data(o)}))
         if plan.performance is None:  # with a performance model the runner-ups are listed there
             for other in plan.alternatives[:3]:
                 r.append(Reason("layout.not", f"not {other.summary()}", {"label": other.label()}))
-    if pins.max_model_len:
+    if pins.max_model_len and (o := pins.origin("max_model_len")) is not None:
         r.append(Reason(
             "max_model_len.pinned",
-            f"max-model-len {c.max_model_len:,}: pinned by you",
-            {"value": c.max_model_len, "pinned": True}))
+            f"max-model-len {c.max_model_len:,}: {said(o)}",
+            {"value": c.max_model_len, **origin_data(o)}))
     elif c.fits and c.max_model_len == spec.max_context:
         r.append(Reason(
             "max_model_len.full",

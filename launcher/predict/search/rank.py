@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...deployment import notes
+from ...deployment.plan import Reason
 from ..features.speculative import mtp_table
 from ..speed.speed_decisions import FP8_MARGIN
 
@@ -55,26 +57,26 @@ def objective_score(a: Any, objective: str, gpus: int, kv_dtype: str, draft: int
     return score
 
 
-def figure(a: Any, objective: str) -> str:
-    """The number that decided, in words, from the same rounded points the JSON carries (so a
-    reason never prints 3,590 where the curve says 3,589)."""
+def figure_data(a: Any, objective: str) -> dict[str, Any]:
+    """The numbers that decide, from the same rounded points the JSON carries (so a reason never
+    prints 3,590 where the curve says 3,589): one request's TPOT, and the knee's figures (None
+    where the SLO is out of reach, or for latency, which ranks on one request alone)."""
     one = a.single.to_dict()
-    if objective == "latency":
-        return f"TPOT {one['tpot_ms']:.1f} ms for one request"
-    if a.knee is None:
-        return f"misses the SLO even alone (TPOT {one['tpot_ms']:.1f} ms)"
-    k = a.knee.to_dict()
-    return (f"{k['output_tokens_per_s']:,.0f} output tok/s at {k['concurrency']:,.0f} concurrent "
-            f"within the SLO (TPOT {k['tpot_ms']:.1f} ms, TTFT {k['ttft_ms']:,.0f} ms)")
+    k = a.knee.to_dict() if a.knee is not None and objective != "latency" else None
+    return {"objective": objective, "single_tpot_ms": one["tpot_ms"],
+            "output_tokens_per_s": k["output_tokens_per_s"] if k else None,
+            "concurrency": k["concurrency"] if k else None,
+            "tpot_ms": k["tpot_ms"] if k else None, "ttft_ms": k["ttft_ms"] if k else None}
+
+
+def figure(a: Any, objective: str) -> str:
+    """The number that decided, in words (deployment/notes.py words it)."""
+    return notes.figure(figure_data(a, objective))
 
 
 def headline(a: Any, objective: str) -> str:
     """The deciding number alone, rounded as the JSON rounds it."""
-    if objective == "latency":
-        return f"TPOT {a.single.to_dict()['tpot_ms']:.1f} ms"
-    if a.knee is None:
-        return "misses the SLO"
-    return f"{a.knee.to_dict()['output_tokens_per_s']:,.0f} output tok/s"
+    return notes.headline(figure_data(a, objective))
 
 
 def value(j: Any, goal: Any) -> tuple:
@@ -87,14 +89,17 @@ def value(j: Any, goal: Any) -> tuple:
             round(c.concurrency, 1), -k.layout.pp, -k.layout.dp, k.layout.tp)
 
 
-def lost_on(j: Any, best: Any, objective: str, target: int) -> str:
-    """The figure a runner-up lost on, against the chosen candidate's same figure."""
+def lost_on(j: Any, best: Any, objective: str, target: int) -> Reason:
+    """What a runner-up lost on, against the chosen candidate's same figure, as a Reason of
+    deployment/notes.py's RUNNER_UP_CODES."""
     c, b = j.cand, best.cand
     if not c.fits:
-        return c.problem
+        return notes.note("runner_up.does_not_fit", problem=c.problem)
     if context_rank(c.max_model_len, target) < context_rank(b.max_model_len, target):
-        return (f"holds only {c.max_model_len:,} tokens of context (chosen: "
-                f"{b.max_model_len:,})")
+        return notes.note("runner_up.shorter_context", max_model_len=c.max_model_len,
+                          chosen_max_model_len=b.max_model_len, target=target)
     if j.perf is None or best.perf is None:
-        return f"fewer concurrent sequences ({c.concurrency:.1f})"
-    return f"{figure(j.perf, objective)}; chosen: {headline(best.perf, objective)}"
+        return notes.note("runner_up.no_prediction", concurrent_sequences=round(c.concurrency, 2),
+                          chosen_concurrent_sequences=round(b.concurrency, 2))
+    return notes.note("runner_up.slower", **figure_data(j.perf, objective),
+                      chosen=figure_data(best.perf, objective))

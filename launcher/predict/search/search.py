@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...deployment.plan import EPBackend
+from ...deployment.plan import EPLB, EPBackend
 from ...inputs.hardware import Hardware
 from ...inputs.model import ModelSpec
 from ...inputs.workload import SLO, Workload
@@ -85,7 +85,8 @@ class Goal:
         if layout not in self._ep:
             self._ep[layout] = ep_backend.choose(self.spec, self.hw, layout, self.objective,
                                                  self.workload, self.traits.version,
-                                                 self.pins.all2all_backend)
+                                                 self.pins.all2all_backend,
+                                                 "all2all_backend" in self.pins.from_plan)
         return self._ep[layout]
 
 
@@ -98,7 +99,7 @@ class Judged:
     perf: Any = None  # perfplan.Assessment
     ep: EPBackend = ep_backend.NOT_APPLICABLE
     ep_note: str = ""  # why the backend's buffers were not taken, when they were not
-    eplb: eplb.Decision = field(default_factory=eplb.Decision)
+    eplb: EPLB = eplb.NONE
     mtp: speculative.Cost | None = None
     value: tuple = ()
     capped_from: int | None = None  # max-num-seqs before the cap at the SLO knee
@@ -156,25 +157,25 @@ def memory(goal: Goal, k: Knobs) -> Judged:
             return j
     # last, so its before/after KV figures are the plan's own (the draft's memory already out)
     j.eplb, after = _eplb(goal, k, c, ep)
-    if j.eplb.blocked:
-        c.fits, c.problem = False, f"--eplb pinned, but {j.eplb.text[len('EPLB off: '):]}"
+    if eplb.blocked(j.eplb, goal.pins.eplb):
+        c.fits, c.problem = False, eplb.problem(j.eplb)
     elif j.eplb.enabled:  # the redundant experts' weights come off the KV cache
         j.cand = after
     return j
 
 
 def _eplb(goal: Goal, k: Knobs, c: Candidate, ep: EPBackend
-          ) -> tuple[eplb.Decision, Candidate]:
+          ) -> tuple[EPLB, Candidate]:
     """EPLB for `k`'s layout (features/eplb.py): proposed, then settled against the candidate
     with the redundant experts' bytes taken from its KV cache (one stage: EPLB needs PP 1).
     Returns the decision and the candidate it leaves (`c` itself when EPLB is off)."""
     d = eplb.propose(goal.spec, goal.hw, k.layout, goal.traits.version, goal.pins.eplb,
-                     ep.backend if ep.applies else None)
+                     ep.backend if ep.applies else None, goal.pins.origin("eplb"))
     if not d.enabled:
         return d, c
     after = rebudget(goal.spec, c, goal.kv_pinned, extra_weights_last=d.bytes_per_gpu,
                      pinned_bytes=goal.pins.kv_cache_memory_bytes)
-    return eplb.settle(d, c, after, goal.workload), after
+    return eplb.settle(d, c, after, goal.workload, goal.pins.origin("eplb")), after
 
 
 def speed(goal: Goal, j: Judged, full: bool = True) -> Judged:

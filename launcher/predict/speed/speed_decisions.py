@@ -15,10 +15,13 @@ SLO) and reads calibrations that `vlaunch tune` recorded.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...deployment.notes import note
+from ...deployment.plan import Reason
 from ...inputs.hardware import Hardware
 from ...inputs.model import ModelSpec
 from ...inputs.workload import SLO, Workload
@@ -43,7 +46,7 @@ class Assessment:
     binding: str
     single: perf.OperatingPoint  # one request alone: the latency objective's figure
     source: str = "model"
-    notes: list[str] = field(default_factory=list)
+    notes: list[Reason] = field(default_factory=list)  # deployment/notes.py PERFORMANCE_CODES
     candidate: Any = None  # the planner's Candidate this assesses
     client: str = "closed-loop"  # the client `at` assumes (perf.CLIENTS); the knee's: closed-loop
 
@@ -57,7 +60,7 @@ class Assessment:
 
 
 def _constants_for(spec: ModelSpec, hw: Hardware, cand: Any, version: str
-                   ) -> tuple[perf.Constants, str, list[str]]:
+                   ) -> tuple[perf.Constants, str, list[Reason]]:
     """The model's constants, or those refitted from `vlaunch tune`'s measurements."""
     k = calibration.key(spec.name, hw.kind.name, hw.count, cand.layout.tp, cand.layout.pp,
                         cand.layout.dp, cand.layout.expert_parallel, cand.kv_dtype, version)
@@ -71,11 +74,11 @@ def _constants_for(spec: ModelSpec, hw: Hardware, cand: Any, version: str
     cal = perf.Calibration(entry["fixed_scale"], entry["roofline_scale"],
                            len(entry.get("points", [])), entry.get("median_error", 0.0),
                            entry.get("prefill_scale", 1.0), entry.get("request_scale", 1.0))
-    note = (f"performance calibrated from {cal.points} measured point(s) of "
-            + ("this engine" if source == "measured" else "another layout on this hardware")
-            + f" (vlaunch tune, {entry.get('recorded_at', '?')}; fit error "
-            f"{cal.median_error:.0%})")
-    return perf.scaled(perf.DEFAULT, cal), source, [note]
+    why = note("performance.calibrated", points=cal.points,
+               scope="engine" if source == "measured" else "layout",
+               recorded_at=str(entry.get("recorded_at", "?")),
+               median_error=round(cal.median_error, 4))
+    return perf.scaled(perf.DEFAULT, cal), source, [why]
 
 
 def assess(spec: ModelSpec, hw: Hardware, cand: Any, traits: Any, chunked: bool,
@@ -93,7 +96,7 @@ def assess(spec: ModelSpec, hw: Hardware, cand: Any, traits: Any, chunked: bool,
 
 
 def assessment_for(shape: perf.EngineShape, workload: Workload, slo: SLO,
-                   concurrency: int | None, source: str, notes: list[str],
+                   concurrency: int | None, source: str, notes: list[Reason],
                    cand: Any) -> Assessment:
     """The knee, the operating point, the curve and the binding limit of one engine shape."""
     knee = perf.knee(shape, workload, slo)
@@ -166,4 +169,4 @@ def performance_dict(a: Assessment | None, objective: str, workload: Workload, s
             "range": performance_range(a),
             "binding": a.binding, "single_request": a.single.to_dict(),
             "curve": [p.to_dict() for p in a.curve],
-            "notes": a.notes}
+            "notes": [dataclasses.asdict(n) for n in a.notes]}

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...deployment import plan as D
-from ...deployment.codec import build
 from ..features import ep_backend, serving_flags
 from ..memory import budget as B
+from ..speed import speed_decisions
 
 
 def _model(m: Any) -> D.ModelRef:
@@ -89,13 +89,9 @@ def _per_gpu(c: Any) -> D.PerGpuBudget:
 
 
 def _performance(plan: Any, a: Any) -> D.Performance | None:
-    from ..speed.speed_decisions import performance_dict
-
     if a is None or plan.workload is None or plan.slo is None:
         return None
-    d = performance_dict(a, plan.objective, plan.workload, plan.slo)
-    d["asked_concurrency"] = plan.concurrency
-    return build(D.Performance, d, "performance")
+    return speed_decisions.performance(a, plan.workload, plan.concurrency)
 
 
 def _alternative(plan: Any, c: Any) -> D.Alternative:

@@ -15,11 +15,11 @@ SLO) and reads calibrations that `vlaunch tune` recorded.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...deployment import plan as D
 from ...deployment.notes import note
 from ...deployment.plan import Reason
 from ...inputs.hardware import Hardware
@@ -141,7 +141,7 @@ def knee_seqs(a: Assessment) -> int | None:
     return max(1, math.floor(a.knee.concurrency / a.shape.dp))
 
 
-def performance_range(a: Assessment) -> dict[str, Any]:
+def performance_range(a: Assessment) -> D.Range:
     """What the figures at the operating point may really be: the held-out spread of the
     published rows (perf.HELD_OUT_SPREAD) around the prediction; a calibrated engine keeps the
     same spread (the calibration's own fit error is in the notes)."""
@@ -149,24 +149,21 @@ def performance_range(a: Assessment) -> dict[str, Any]:
     tput = perf.value_range("output_tokens_per_s", p.output_tokens_per_s)
     tpot = perf.value_range("tpot_ms", p.tpot_ms)
     ttft = perf.value_range("ttft_ms", p.ttft_ms)
-    return {"low": round(tput[0], 1), "high": round(tput[1], 1), "of": "output_tokens_per_s",
-            "tpot_ms": {"low": round(tpot[0], 2), "high": round(tpot[1], 2)},
-            "ttft_ms": {"low": round(ttft[0], 1), "high": round(ttft[1], 1)},
-            "basis": "10th-90th percentile of leave-one-source-out error on published vLLM "
-                     "rows (bench/perf_fit.py)"}
+    return D.Range(low=round(tput[0], 1), high=round(tput[1], 1), of="output_tokens_per_s",
+                   tpot_ms=D.TpotRange(round(tpot[0], 2), round(tpot[1], 2)),
+                   ttft_ms=D.TpotRange(round(ttft[0], 1), round(ttft[1], 1)),
+                   basis="10th-90th percentile of leave-one-source-out error on published "
+                         "vLLM rows (bench/perf_fit.py)")
 
 
-def performance_dict(a: Assessment | None, objective: str, workload: Workload, slo: SLO
-                     ) -> dict[str, Any] | None:
-    if a is None:
-        return None
-    return {"source": a.source, "objective": objective, "input_len": workload.input_len,
-            "output_len": workload.output_len, "workload": workload.name,
-            "assumed_workload": workload.assumed,
-            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-            "at": a.at.to_dict(), "knee": a.knee.to_dict() if a.knee else None,
-            "client": a.client, "knee_client": perf.client_of(workload),
-            "range": performance_range(a),
-            "binding": a.binding, "single_request": a.single.to_dict(),
-            "curve": [p.to_dict() for p in a.curve],
-            "notes": [dataclasses.asdict(n) for n in a.notes]}
+def performance(a: Assessment, workload: Workload, asked_concurrency: int | None = None
+                ) -> D.Performance:
+    """The assessment as the plan's typed Performance (its points through
+    OperatingPoint.plan_point, the one conversion): built once, never from JSON."""
+    return D.Performance(
+        source=a.source, at=a.at.plan_point(),
+        knee=a.knee.plan_point() if a.knee else None, range=performance_range(a),
+        binding=a.binding, single_request=a.single.plan_point(),
+        curve=tuple(p.plan_point() for p in a.curve), notes=tuple(a.notes),
+        asked_concurrency=asked_concurrency, client=a.client,
+        knee_client=perf.client_of(workload))

@@ -148,6 +148,13 @@ def equal_load_curve(shape: EngineShape, draft: EngineShape, k: int, acc: Accept
     return tuple((c, step_speedup(shape, draft, k, acc, c / shape.dp, ctx)) for c in in_flight)
 
 
+def largest_rise(curve: tuple[tuple[int, float], ...], past: int = 16) -> float:
+    """The largest step-to-step rise of an equal-load curve from `past` in flight on (issue
+    28's property allows 3%: more sequences in flight never make a verified token cheaper)."""
+    xs = [x for c, x in curve if c >= past]
+    return max((b / a - 1 for a, b in zip(xs, xs[1:], strict=False)), default=0.0)
+
+
 def choose_k(shape: EngineShape, draft: EngineShape, acc: Acceptance, workload: Workload,
              concurrency: float, ks: tuple[int, ...] = K_CHOICES) -> tuple[int, float]:
     """(k, output tokens/s) with the most output tokens/s at `concurrency`: more drafts at low

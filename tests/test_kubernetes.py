@@ -209,8 +209,9 @@ def _crd_validator(group: str, kind: str, version: str):
     return jsonschema.Draft7Validator(schema)
 
 
-def test_custom_resources_validate_against_published_crds(overlay):
-    name, objs = overlay
+def validate_custom_resources(objs: list[dict]) -> set[str]:
+    """Every object of a CRD kind in CRD_FILES validated against its published schema; the
+    kinds it checked."""
     kinds = set()
     for obj in objs:
         group, _, version = obj["apiVersion"].partition("/")
@@ -219,6 +220,12 @@ def test_custom_resources_validate_against_published_crds(overlay):
         errors = list(_crd_validator(group, obj["kind"], version).iter_errors(obj))
         assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
         kinds.add(obj["kind"])
+    return kinds
+
+
+def test_custom_resources_validate_against_published_crds(overlay):
+    name, objs = overlay
+    kinds = validate_custom_resources(objs)
     expected = {"PodMonitor", "PrometheusRule", "ScaledObject"}
     if name.startswith("deepseek-r1-"):
         expected.add("LeaderWorkerSet")

@@ -27,6 +27,7 @@ from test_kubernetes import (
     _of_kind,
     _peer_matches,
     _selects,
+    validate_custom_resources,
 )
 
 from launcher.cli import cli
@@ -97,14 +98,7 @@ def test_core_objects_validate_against_kubernetes_schemas(objs):
 
 
 def test_custom_resources_validate_against_published_crds(objs):
-    kinds = set()
-    for obj in objs:
-        group, _, version = obj["apiVersion"].partition("/")
-        if (group, obj["kind"]) not in CRD_FILES:
-            continue
-        errors = list(_crd_validator(group, obj["kind"], version).iter_errors(obj))
-        assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
-        kinds.add(obj["kind"])
+    kinds = validate_custom_resources(objs)
     assert kinds == {"InferencePool", "ScaledObject", "PodMonitor", "PrometheusRule"}
     (pool,) = _of_kind(objs, "InferencePool")
     bad = copy.deepcopy(pool)
